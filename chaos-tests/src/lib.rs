@@ -1,0 +1,1 @@
+//! rekindle-chaos-tests: fault-injection scenarios over real processes.

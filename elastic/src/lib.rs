@@ -1,0 +1,1 @@
+//! rekindle-elastic: rendezvous, membership and the agent (filled by the elastic work).

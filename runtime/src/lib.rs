@@ -1,0 +1,28 @@
+//! rekindle-runtime: devices, dtypes, the bootstrap [`store`], and process groups over
+//! collective backends (TCP on CPUs, NCCL on GPUs).
+//!
+//! A [`ProcessGroup`] is formed by every rank of a job with the same [`GroupConfig`] job,
+//! round and store; it issues collectives asynchronously and every one of them is bounded by a
+//! deadline. A dead peer makes operations fail with [`Error::PeerLost`] naming it; the group is
+//! then rebuilt under the next round.
+
+#![warn(missing_docs)]
+
+pub mod buffer;
+pub mod collectives;
+pub mod device;
+pub mod dtype;
+pub mod error;
+pub mod process_group;
+pub mod secret;
+pub mod store;
+
+pub use buffer::Buffer;
+pub use collectives::nccl::NcclBackend;
+pub use collectives::tcp::{TcpBackend, TcpOptions};
+pub use collectives::{segment, Backend, Collective, ReduceOp, Work};
+pub use device::{cuda_device_count, Device};
+pub use dtype::{DType, Element};
+pub use error::{Error, Result};
+pub use process_group::{group_prefix, GroupConfig, ProcessGroup};
+pub use secret::JobSecret;

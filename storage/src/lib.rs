@@ -1,0 +1,1 @@
+//! rekindle-storage: checkpoints (filled by the storage work).
