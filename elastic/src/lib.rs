@@ -3,6 +3,7 @@
 #![warn(missing_docs)]
 
 pub mod agent;
+pub mod cli;
 pub mod errorfile;
 pub mod etcd;
 mod io_runtime;

@@ -651,6 +651,10 @@ impl Agent {
             return None;
         }
         let rec = read_error_file(&w.error_file);
+        // Exits caused by the agent's own SIGTERM are not failures, unless the worker said why.
+        if w.stopped && rec.is_none() {
+            return None;
+        }
         Some(WorkerFailure {
             rank: w.global_rank,
             local_rank: w.local_rank,

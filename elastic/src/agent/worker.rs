@@ -44,6 +44,8 @@ pub(crate) struct Worker {
     pub pid: i32,
     pub error_file: PathBuf,
     pub exit: Option<(ExitStatus, SystemTime)>,
+    /// The worker exited after the agent began stopping it.
+    pub stopped: bool,
 }
 
 /// Copies `from` line by line to the log file and to the agent's stream with a prefix.
@@ -87,7 +89,19 @@ pub(crate) fn spawn(spec: &WorkerSpec, events: Sender<Event>) -> std::io::Result
             "no program to run",
         ));
     };
-    let mut child = Command::new(program)
+    let mut cmd = Command::new(program);
+    // SAFETY: the closure runs in the forked child before exec and only calls prctl(2), which
+    // is async-signal-safe. It asks the kernel to SIGKILL the worker if the agent dies, so a
+    // SIGKILLed agent leaves no orphan workers behind.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd
         .args(args)
         .envs(spec.env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
@@ -122,6 +136,7 @@ pub(crate) fn spawn(spec: &WorkerSpec, events: Sender<Event>) -> std::io::Result
         pid,
         error_file: spec.error_file.clone(),
         exit: None,
+        stopped: false,
     })
 }
 
@@ -171,6 +186,7 @@ pub(crate) fn stop_all(
             }) => {
                 if let Some(w) = workers.iter_mut().find(|w| w.local_rank == local_rank) {
                     w.exit = Some((status, at));
+                    w.stopped = true;
                     on_exit(w);
                 }
             }

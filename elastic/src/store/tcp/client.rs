@@ -90,10 +90,23 @@ impl TcpStoreClient {
             }
         }
         let endpoint = self.endpoint.clone();
+        // The server may not be up yet (workers of other nodes start at the same time as the
+        // agent that hosts it): refused connections are retried until the timeout.
         let stream =
             self.rt
                 .call(
-                    async move { tokio::net::TcpStream::connect(endpoint).await },
+                    async move {
+                        let mut backoff = Duration::from_millis(10);
+                        loop {
+                            match tokio::net::TcpStream::connect(&endpoint).await {
+                                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                                    tokio::time::sleep(backoff).await;
+                                    backoff = (backoff * 2).min(Duration::from_millis(500));
+                                }
+                                other => return other,
+                            }
+                        }
+                    },
                     Instant::now() + self.op_timeout,
                 )
                 .map_err(|e| match e {
