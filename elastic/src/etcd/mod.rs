@@ -231,7 +231,15 @@ pub(crate) fn map_error(endpoint: &str, op: &'static str, e: &etcd_client::Error
     };
     match e {
         E::GRpcStatus(s) => {
-            let msg = s.message().to_string();
+            let mut msg = s.message().to_string();
+            let mut src = std::error::Error::source(s);
+            while let Some(inner) = src {
+                let part = inner.to_string();
+                if !msg.contains(&part) {
+                    msg = format!("{msg}: {part}");
+                }
+                src = inner.source();
+            }
             let code = s.code() as i32;
             let auth_words = [
                 "authentication failed",

@@ -226,9 +226,20 @@ impl DynamicRendezvousHandler {
         backoff: &mut Duration,
     ) -> Result<(), RendezvousError> {
         match e {
-            StoreError::Connection { reason, .. } if Instant::now() + *backoff < deadline => {
+            StoreError::Connection { reason, .. } if Instant::now() < deadline => {
                 tracing::warn!(backend = self.backend.name(), endpoint = %self.backend.endpoint(),
                     %reason, "rendezvous store unreachable; retrying");
+                let left = deadline.saturating_duration_since(Instant::now());
+                if *backoff >= left {
+                    // The last try: wait out the deadline, then report the connection failure.
+                    std::thread::sleep(left);
+                    return Err(RendezvousError::Connection {
+                        backend: self.backend.name(),
+                        endpoint: self.backend.endpoint(),
+                        retried: start.elapsed(),
+                        reason,
+                    });
+                }
                 std::thread::sleep(*backoff);
                 *backoff = (*backoff * 2).min(Duration::from_secs(2));
                 Ok(())

@@ -1,0 +1,210 @@
+//! `rekindle run` with the etcd rendezvous, against a real etcd and real agent processes.
+#![cfg(feature = "test-etcd")]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{field, AgentProc, WORKER};
+use rekindle_elastic::store::TcpStoreClient;
+use rekindle_elastic::testing::EtcdServer;
+use rekindle_runtime::store::Store;
+
+const T: Duration = Duration::from_secs(60);
+
+fn etcd_agent(
+    etcd: &str,
+    job: &str,
+    nnodes: &str,
+    conf: &str,
+    logs: &str,
+    worker: &[&str],
+) -> AgentProc {
+    let mut args = vec![
+        "run",
+        "--rdzv-backend",
+        "etcd",
+        "--rdzv-endpoint",
+        etcd,
+        "--rdzv-id",
+        job,
+        "--nnodes",
+        nnodes,
+        "--rdzv-conf",
+        conf,
+        "--local-addr",
+        "127.0.0.1",
+        "--log-dir",
+        logs,
+    ];
+    args.extend_from_slice(worker);
+    AgentProc::spawn(&args, &[])
+}
+
+#[test]
+fn two_agents_form_one_job_and_a_late_joiner_exits_zero() {
+    let etcd = EtcdServer::start().unwrap();
+    let logs = tempfile::tempdir().unwrap();
+    let l = logs.path().to_str().unwrap();
+    let conf = "last_call_timeout=0.2,lease_ttl=2";
+    let w = ["--nproc-per-node", "2", WORKER, "barrier"];
+    let mut a = etcd_agent(&etcd.endpoint(), "job2", "2", conf, l, &w);
+    let mut b = etcd_agent(&etcd.endpoint(), "job2", "2", conf, l, &w);
+    assert_eq!(a.wait_code(T), 0, "{}", a.output());
+    assert_eq!(b.wait_code(T), 0, "{}", b.output());
+    let all = format!("{}\n{}", a.output(), b.output());
+    for r in 0..4 {
+        assert!(
+            all.contains(&format!("barrier ok rank={r} world=4")),
+            "{all}"
+        );
+    }
+    let mut late = etcd_agent(&etcd.endpoint(), "job2", "2", conf, l, &w);
+    assert_eq!(late.wait_code(T), 0, "{}", late.output());
+    assert!(
+        late.output().contains("has already finished"),
+        "{}",
+        late.output()
+    );
+}
+
+#[test]
+fn sigkilled_agent_is_dropped_within_the_ttl_and_the_survivor_reforms() {
+    let etcd = EtcdServer::start().unwrap();
+    let logs = tempfile::tempdir().unwrap();
+    let l = logs.path().to_str().unwrap();
+    let conf = "last_call_timeout=0.3,lease_ttl=2";
+    let mut a = etcd_agent(
+        &etcd.endpoint(),
+        "killjob",
+        "1:2",
+        conf,
+        l,
+        &[WORKER, "hold"],
+    );
+    let mut b = etcd_agent(
+        &etcd.endpoint(),
+        "killjob",
+        "1:2",
+        conf,
+        l,
+        &[WORKER, "hold"],
+    );
+    a.wait_line("world=2 round=0", T);
+    b.wait_line("world=2 round=0", T);
+    a.wait_line("ready", T);
+    let t0 = Instant::now();
+    b.signal(libc::SIGKILL);
+    assert_eq!(b.wait_code(T), 137);
+    a.wait_line("peer_lost", T);
+    let took = t0.elapsed();
+    assert!(
+        took < Duration::from_millis(4000),
+        "peer lost after {took:?}"
+    );
+    let line = a.wait_line("world=1 round=1", T);
+    assert!(line.contains("rank=0"), "{line}");
+    // Let the survivor finish: set `go` in its new round's store.
+    let ready = a
+        .output()
+        .lines()
+        .filter(|l| l.contains("ready store="))
+        .last()
+        .unwrap()
+        .to_string();
+    let ready = if ready.contains("/r1/") {
+        ready
+    } else {
+        a.wait_line("/r1/ pid", T)
+    };
+    let store = TcpStoreClient::connect(field(&ready, "store").unwrap()).unwrap();
+    store
+        .set(&format!("{}go", field(&ready, "prefix").unwrap()), b"1")
+        .unwrap();
+    assert_eq!(a.wait_code(T), 0, "{}", a.output());
+    assert!(
+        !a.output().contains("restarting workers"),
+        "a membership change is no restart"
+    );
+}
+
+#[test]
+fn etcd_restart_mid_run_fails_nothing() {
+    let mut etcd = EtcdServer::start().unwrap();
+    let logs = tempfile::tempdir().unwrap();
+    let l = logs.path().to_str().unwrap();
+    let conf = "last_call_timeout=0.2,lease_ttl=3";
+    let mut a = etcd_agent(&etcd.endpoint(), "rsjob", "2", conf, l, &[WORKER, "hold"]);
+    let mut b = etcd_agent(&etcd.endpoint(), "rsjob", "2", conf, l, &[WORKER, "hold"]);
+    let ready = a.wait_line("ready store=", T);
+    b.wait_line("ready store=", T);
+    etcd.restart().unwrap();
+    // Past the TTL: an agent that failed to keep its lease would have been dropped by now.
+    std::thread::sleep(Duration::from_secs(6));
+    let store = TcpStoreClient::connect(field(&ready, "store").unwrap()).unwrap();
+    store
+        .set(&format!("{}go", field(&ready, "prefix").unwrap()), b"1")
+        .unwrap();
+    assert_eq!(a.wait_code(T), 0, "{}", a.output());
+    assert_eq!(b.wait_code(T), 0, "{}", b.output());
+    for out in [a.output(), b.output()] {
+        assert!(!out.contains("membership changed"), "{out}");
+        assert!(
+            out.contains("[rank 0] go") || out.contains("[rank 1] go"),
+            "{out}"
+        );
+    }
+}
+
+#[test]
+fn etcd_down_at_start_gives_a_clear_error_after_the_join_timeout() {
+    let mut etcd = EtcdServer::start().unwrap();
+    etcd.stop();
+    let logs = tempfile::tempdir().unwrap();
+    let t0 = Instant::now();
+    let mut a = etcd_agent(
+        &etcd.endpoint(),
+        "downjob",
+        "1",
+        "join_timeout=3,read_timeout=0.5",
+        logs.path().to_str().unwrap(),
+        &[WORKER, "barrier"],
+    );
+    assert_eq!(a.wait_code(T), 3, "{}", a.output());
+    assert!(t0.elapsed() >= Duration::from_secs(2), "{:?}", t0.elapsed());
+    let out = a.output();
+    assert!(out.contains("retrying"), "{out}");
+    assert!(
+        out.contains("cannot reach the etcd rendezvous store"),
+        "{out}"
+    );
+}
+
+#[test]
+fn wrong_credentials_exit_3_with_a_clear_message() {
+    let etcd = EtcdServer::start_with_auth("right").unwrap();
+    let logs = tempfile::tempdir().unwrap();
+    let mut a = etcd_agent(
+        &etcd.endpoint(),
+        "authjob",
+        "1",
+        "user=root,password=wrong",
+        logs.path().to_str().unwrap(),
+        &[WORKER, "barrier"],
+    );
+    assert_eq!(a.wait_code(T), 3, "{}", a.output());
+    assert!(
+        a.output().contains("refused the credentials"),
+        "{}",
+        a.output()
+    );
+    let mut ok = etcd_agent(
+        &etcd.endpoint(),
+        "authjob",
+        "1",
+        "user=root,password=right",
+        logs.path().to_str().unwrap(),
+        &[WORKER, "barrier"],
+    );
+    assert_eq!(ok.wait_code(T), 0, "{}", ok.output());
+}
