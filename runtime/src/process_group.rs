@@ -150,12 +150,16 @@ impl ProcessGroup {
     /// Forms a group over the TCP backend (blocks until every rank connected, or the
     /// bootstrap deadline).
     pub fn tcp(config: GroupConfig, options: crate::TcpOptions) -> Result<Self> {
-        Ok(Self::new(Arc::new(crate::TcpBackend::new(config, options)?)))
+        Ok(Self::new(Arc::new(crate::TcpBackend::new(
+            config, options,
+        )?)))
     }
 
     /// Forms a group over the NCCL backend on `device` (an error without the `nccl` feature).
     pub fn nccl(config: GroupConfig, device: crate::Device) -> Result<Self> {
-        Ok(Self::new(Arc::new(crate::NcclBackend::new(config, device)?)))
+        Ok(Self::new(Arc::new(crate::NcclBackend::new(
+            config, device,
+        )?)))
     }
 
     /// The backend.

@@ -36,8 +36,14 @@ fn abort_fails_in_flight_and_queued_ops_quickly_and_a_new_group_can_be_built() {
         assert!(matches!(e, Error::Aborted { rank: 0 }), "{e}");
     }
     let all_failed = t.elapsed();
-    assert!(abort_took < Duration::from_secs(1), "abort took {abort_took:?}");
-    assert!(all_failed < Duration::from_secs(1), "failing the queue took {all_failed:?}");
+    assert!(
+        abort_took < Duration::from_secs(1),
+        "abort took {abort_took:?}"
+    );
+    assert!(
+        all_failed < Duration::from_secs(1),
+        "failing the queue took {all_failed:?}"
+    );
     assert!(matches!(pg0.error(), Some(Error::Aborted { .. })));
     // After an abort, new operations fail at once.
     let e = pg0.barrier().wait(WAIT).unwrap_err();
@@ -49,10 +55,19 @@ fn abort_fails_in_flight_and_queued_ops_quickly_and_a_new_group_can_be_built() {
 
     // A new round in the same process: new ports, new prefix, working collectives.
     let (pg0, pg1) = two_groups("abort", 1, store);
-    let h = std::thread::spawn(move || pg1.all_reduce(Buffer::from(vec![2i64; 3]), ReduceOp::Sum).wait(WAIT));
-    let got = pg0.all_reduce(Buffer::from(vec![5i64; 3]), ReduceOp::Sum).wait(WAIT).unwrap();
+    let h = std::thread::spawn(move || {
+        pg1.all_reduce(Buffer::from(vec![2i64; 3]), ReduceOp::Sum)
+            .wait(WAIT)
+    });
+    let got = pg0
+        .all_reduce(Buffer::from(vec![5i64; 3]), ReduceOp::Sum)
+        .wait(WAIT)
+        .unwrap();
     assert_eq!(got.into_vec::<i64>().unwrap(), vec![7; 3]);
-    assert_eq!(h.join().unwrap().unwrap().into_vec::<i64>().unwrap(), vec![7; 3]);
+    assert_eq!(
+        h.join().unwrap().unwrap().into_vec::<i64>().unwrap(),
+        vec![7; 3]
+    );
 }
 
 #[test]
@@ -78,8 +93,11 @@ fn store_pointing_at(real: &dyn Store, real_prefix: &str, job: &str, round: u64)
         .unwrap()
         .remove(0);
     let fake: Arc<dyn Store> = Arc::new(InMemoryStore::new());
-    fake.set(&format!("{}addr/0", rekindle_runtime::group_prefix(job, round)), &addr)
-        .unwrap();
+    fake.set(
+        &format!("{}addr/0", rekindle_runtime::group_prefix(job, round)),
+        &addr,
+    )
+    .unwrap();
     fake
 }
 
@@ -102,22 +120,44 @@ fn connections_with_a_wrong_secret_job_or_round_are_refused_and_never_join() {
     assert!(e.to_string().contains("wrong job secret"), "{e}");
     // Right secret, wrong job id.
     let other_job = store_pointing_at(store.as_ref(), &prefix, "intruder", 0);
-    let e = TcpBackend::new(short(config("intruder", 0, 1, 2, other_job)), TcpOptions::default()).unwrap_err();
+    let e = TcpBackend::new(
+        short(config("intruder", 0, 1, 2, other_job)),
+        TcpOptions::default(),
+    )
+    .unwrap_err();
     assert!(e.to_string().contains("wrong job id"), "{e}");
     // Right secret and job, a stale round.
     let old_round = store_pointing_at(store.as_ref(), &prefix, "auth", 7);
-    let e = TcpBackend::new(short(config("auth", 7, 1, 2, old_round)), TcpOptions::default()).unwrap_err();
+    let e = TcpBackend::new(
+        short(config("auth", 7, 1, 2, old_round)),
+        TcpOptions::default(),
+    )
+    .unwrap_err();
     assert!(e.to_string().contains("wrong rendezvous round"), "{e}");
     // Now the real rank 1 joins; the group forms and computes correctly.
     let real1 = ProcessGroup::tcp(config("auth", 0, 1, 2, store), TcpOptions::default()).unwrap();
     let b0 = rank0.join().unwrap();
     // Three strangers, each dialling twice at most (data and control), were refused.
-    assert!(b0.refused_connections() >= 3, "refused {}", b0.refused_connections());
+    assert!(
+        b0.refused_connections() >= 3,
+        "refused {}",
+        b0.refused_connections()
+    );
     let pg0 = ProcessGroup::new(Arc::new(b0));
-    let h = std::thread::spawn(move || real1.all_reduce(Buffer::from(vec![1u8, 2]), ReduceOp::Sum).wait(WAIT));
-    let got = pg0.all_reduce(Buffer::from(vec![10u8, 20]), ReduceOp::Sum).wait(WAIT).unwrap();
+    let h = std::thread::spawn(move || {
+        real1
+            .all_reduce(Buffer::from(vec![1u8, 2]), ReduceOp::Sum)
+            .wait(WAIT)
+    });
+    let got = pg0
+        .all_reduce(Buffer::from(vec![10u8, 20]), ReduceOp::Sum)
+        .wait(WAIT)
+        .unwrap();
     assert_eq!(got.into_vec::<u8>().unwrap(), vec![11, 22]);
-    assert_eq!(h.join().unwrap().unwrap().into_vec::<u8>().unwrap(), vec![11, 22]);
+    assert_eq!(
+        h.join().unwrap().unwrap().into_vec::<u8>().unwrap(),
+        vec![11, 22]
+    );
 }
 
 #[test]
@@ -128,7 +168,10 @@ fn a_missing_rank_fails_bootstrap_at_its_deadline() {
     let t = Instant::now();
     let e = TcpBackend::new(c, TcpOptions::default()).unwrap_err();
     assert!(matches!(e, Error::Bootstrap { rank: 1, .. }), "{e}");
-    assert!(e.to_string().contains("addr/0"), "names the missing key: {e}");
+    assert!(
+        e.to_string().contains("addr/0"),
+        "names the missing key: {e}"
+    );
     assert!(t.elapsed() < Duration::from_secs(5));
 }
 
@@ -145,7 +188,10 @@ fn a_hung_peer_is_caught_by_the_op_deadline() {
     c.op_timeout = Duration::from_millis(300);
     let pg0 = ProcessGroup::tcp(c, TcpOptions::default()).unwrap();
     let _pg1 = h.join().unwrap(); // alive, but never takes part
-    let e = pg0.all_reduce(Buffer::from(vec![1.0f64; 10]), ReduceOp::Sum).wait(WAIT).unwrap_err();
+    let e = pg0
+        .all_reduce(Buffer::from(vec![1.0f64; 10]), ReduceOp::Sum)
+        .wait(WAIT)
+        .unwrap_err();
     match e {
         Error::Timeout { waiting_on, .. } => assert_eq!(waiting_on, vec![1]),
         other => panic!("expected a timeout, got {other}"),

@@ -17,7 +17,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use rekindle_runtime::store::{FileStore, Store};
-use rekindle_runtime::{segment, Buffer, DType, GroupConfig, JobSecret, ProcessGroup, ReduceOp, TcpOptions};
+use rekindle_runtime::{
+    segment, Buffer, DType, GroupConfig, JobSecret, ProcessGroup, ReduceOp, TcpOptions,
+};
 
 #[derive(Parser, Debug, Clone)]
 #[command(about = "Collective bandwidth/latency benchmark (nccl-tests style)")]
@@ -115,7 +117,11 @@ fn main() -> Result<()> {
     if args.min_bytes > args.max_bytes {
         bail!("-b must not exceed -e");
     }
-    let ops: Vec<&str> = if args.op == "all" { OPS.to_vec() } else { vec![args.op.as_str()] };
+    let ops: Vec<&str> = if args.op == "all" {
+        OPS.to_vec()
+    } else {
+        vec![args.op.as_str()]
+    };
     for op in &ops {
         if !OPS.contains(op) {
             bail!("unknown --op {op:?}: expected one of {OPS:?} or all");
@@ -139,7 +145,9 @@ fn main() -> Result<()> {
     }
     let mut failed = Vec::new();
     for (rank, mut c) in children.into_iter().enumerate() {
-        let status = c.wait().with_context(|| format!("waiting for rank {rank}"))?;
+        let status = c
+            .wait()
+            .with_context(|| format!("waiting for rank {rank}"))?;
         if !status.success() {
             failed.push((rank, status));
         }
@@ -152,10 +160,12 @@ fn main() -> Result<()> {
 
 fn input(op: &str, dtype: DType, redop: ReduceOp, rank: usize, len: usize) -> Buffer {
     match op {
-        "all_reduce" | "reduce" | "reduce_scatter" => Buffer::from_fn(dtype, len, |i| match redop {
-            ReduceOp::Prod => 1.0 + ((rank + i) % 2) as f64,
-            _ => ((rank + 1) * (i % 7 + 1)) as f64,
-        }),
+        "all_reduce" | "reduce" | "reduce_scatter" => {
+            Buffer::from_fn(dtype, len, |i| match redop {
+                ReduceOp::Prod => 1.0 + ((rank + i) % 2) as f64,
+                _ => ((rank + 1) * (i % 7 + 1)) as f64,
+            })
+        }
         _ => Buffer::from_fn(dtype, len, |i| ((rank * 31 + i) % 97) as f64),
     }
 }
@@ -186,14 +196,23 @@ fn count_for(op: &str, bytes: usize, w: usize, n: usize) -> usize {
 }
 
 /// One iteration; returns the result and the number of wrong elements when `check`.
-fn run_once(pg: &ProcessGroup, op: &str, dtype: DType, redop: ReduceOp, count: usize, check: bool) -> Result<usize> {
+fn run_once(
+    pg: &ProcessGroup,
+    op: &str,
+    dtype: DType,
+    redop: ReduceOp,
+    count: usize,
+    check: bool,
+) -> Result<usize> {
     let (rank, n) = (pg.rank(), pg.world_size());
     let wait = Duration::from_secs(120);
     let buf = input(op, dtype, redop, rank, count);
     let mut wrong = 0;
     let mut cmp = |got: &Buffer, want: &dyn Fn(usize) -> f64| {
         if check {
-            wrong += (0..got.len()).filter(|&i| got.get_f64(i) != Some(want(i))).count();
+            wrong += (0..got.len())
+                .filter(|&i| got.get_f64(i) != Some(want(i)))
+                .count();
         }
     };
     match op {
@@ -228,7 +247,11 @@ fn run_once(pg: &ProcessGroup, op: &str, dtype: DType, redop: ReduceOp, count: u
         }
         "scatter" => {
             let s = segment(count, n, rank);
-            let b = if rank == 0 { buf } else { Buffer::zeros(dtype, s.len()) };
+            let b = if rank == 0 {
+                buf
+            } else {
+                Buffer::zeros(dtype, s.len())
+            };
             let got = pg.scatter(b, 0).wait(wait)?;
             cmp(&got, &|t| value(0, s.start + t));
         }
@@ -286,15 +309,25 @@ fn rank_main(args: Args, rank: usize) -> Result<()> {
     };
     let pg = ProcessGroup::tcp(cfg, opts)?;
     let wait = Duration::from_secs(120);
-    let ops: Vec<&str> = if args.op == "all" { OPS.to_vec() } else { vec![args.op.as_str()] };
+    let ops: Vec<&str> = if args.op == "all" {
+        OPS.to_vec()
+    } else {
+        vec![args.op.as_str()]
+    };
     let w = dtype.size_in_bytes();
     let mut csv = match (&args.csv, rank) {
         (Some(path), 0) => {
             let exists = path.exists();
-            let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path)
+            let mut f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
                 .with_context(|| format!("opening {}", path.display()))?;
             if !exists {
-                writeln!(f, "op,nranks,size,count,type,redop,time_us,algbw_gbps,busbw_gbps,wrong")?;
+                writeln!(
+                    f,
+                    "op,nranks,size,count,type,redop,time_us,algbw_gbps,busbw_gbps,wrong"
+                )?;
             }
             Some(f)
         }
@@ -302,8 +335,14 @@ fn rank_main(args: Args, rank: usize) -> Result<()> {
     };
     for op in ops {
         if rank == 0 {
-            println!("# {op}  nranks {world}  dtype {dtype}  redop {redop}  iters {}  warmup {}", args.iters, args.warmup);
-            println!("{:>12} {:>12} {:>6} {:>10} {:>8} {:>8} {:>7}", "size", "count", "type", "time_us", "algbw", "busbw", "#wrong");
+            println!(
+                "# {op}  nranks {world}  dtype {dtype}  redop {redop}  iters {}  warmup {}",
+                args.iters, args.warmup
+            );
+            println!(
+                "{:>12} {:>12} {:>6} {:>10} {:>8} {:>8} {:>7}",
+                "size", "count", "type", "time_us", "algbw", "busbw", "#wrong"
+            );
         }
         let mut size = args.min_bytes.max(w * world);
         while size <= args.max_bytes {
@@ -319,22 +358,52 @@ fn rank_main(args: Args, rank: usize) -> Result<()> {
                 times.push(t.elapsed().as_secs_f64());
             }
             times.sort_by(|a, b| a.total_cmp(b));
-            let median = if times.is_empty() { 0.0 } else { times[times.len() / 2] };
-            let slowest = pg.all_reduce(Buffer::from(vec![median]), ReduceOp::Max).wait(wait)?;
-            let t = slowest.into_vec::<f64>().map_err(|_| anyhow::anyhow!("dtype"))?[0];
+            let median = if times.is_empty() {
+                0.0
+            } else {
+                times[times.len() / 2]
+            };
+            let slowest = pg
+                .all_reduce(Buffer::from(vec![median]), ReduceOp::Max)
+                .wait(wait)?;
+            let t = slowest
+                .into_vec::<f64>()
+                .map_err(|_| anyhow::anyhow!("dtype"))?[0];
             let wrong = if args.check == 1 {
                 let wr = run_once(&pg, op, dtype, redop, count, true)?;
-                let all = pg.all_reduce(Buffer::from(vec![wr as i64]), ReduceOp::Sum).wait(wait)?;
-                all.into_vec::<i64>().map_err(|_| anyhow::anyhow!("dtype"))?[0]
+                let all = pg
+                    .all_reduce(Buffer::from(vec![wr as i64]), ReduceOp::Sum)
+                    .wait(wait)?;
+                all.into_vec::<i64>()
+                    .map_err(|_| anyhow::anyhow!("dtype"))?[0]
             } else {
                 -1
             };
             if rank == 0 {
-                let bytes = (count_for(op, size, w, world) * w * if matches!(op, "all_gather" | "gather") { world } else { 1 }) as f64;
+                let bytes = (count_for(op, size, w, world)
+                    * w
+                    * if matches!(op, "all_gather" | "gather") {
+                        world
+                    } else {
+                        1
+                    }) as f64;
                 let algbw = if t > 0.0 { bytes / t / 1e9 } else { 0.0 };
                 let busbw = algbw * bus_factor(op, world);
-                let wrong_s = if wrong < 0 { "N/A".to_string() } else { wrong.to_string() };
-                println!("{:>12} {:>12} {:>6} {:>10.1} {:>8.2} {:>8.2} {:>7}", bytes as usize, count, dtype.as_str(), t * 1e6, algbw, busbw, wrong_s);
+                let wrong_s = if wrong < 0 {
+                    "N/A".to_string()
+                } else {
+                    wrong.to_string()
+                };
+                println!(
+                    "{:>12} {:>12} {:>6} {:>10.1} {:>8.2} {:>8.2} {:>7}",
+                    bytes as usize,
+                    count,
+                    dtype.as_str(),
+                    t * 1e6,
+                    algbw,
+                    busbw,
+                    wrong_s
+                );
                 if let Some(f) = csv.as_mut() {
                     writeln!(f, "{op},{world},{},{count},{dtype},{redop},{:.2},{algbw:.4},{busbw:.4},{wrong}", bytes as usize, t * 1e6)?;
                 }

@@ -196,7 +196,9 @@ impl Work {
                     elapsed: start.elapsed(),
                     waiting_on: Vec::new(),
                 }),
-                Err(mpsc::RecvTimeoutError::Disconnected) => Err(Error::Aborted { rank: self.rank }),
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    Err(Error::Aborted { rank: self.rank })
+                }
             },
         }
     }

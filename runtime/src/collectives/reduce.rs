@@ -282,10 +282,15 @@ mod tests {
         combine(ReduceOp::Sum, DType::U8, &mut x, &[10, 4]);
         assert_eq!(x, vec![4, 7]);
         let mut y = vec![7i64, -9];
-        finish_avg(ReduceOp::Avg, DType::I64, bytemuck::cast_slice_mut(&mut y), 2);
+        finish_avg(
+            ReduceOp::Avg,
+            DType::I64,
+            bytemuck::cast_slice_mut(&mut y),
+            2,
+        );
         assert_eq!(y, vec![3, -4]);
         // Unaligned views give the same result.
-        let mut raw = vec![0u8; 9];
+        let mut raw = [0u8; 9];
         raw[1..5].copy_from_slice(&2.5f32.to_ne_bytes());
         let src = 1.5f32.to_ne_bytes();
         combine(ReduceOp::Prod, DType::F32, &mut raw[1..5], &src);

@@ -68,7 +68,11 @@ fn invalid(op: &'static str, reason: String) -> Error {
 }
 
 /// Byte ranges of at most `chunk_bytes` (a multiple of `w`) covering elements `elems`.
-fn chunks(elems: Range<usize>, w: usize, chunk_bytes: usize) -> impl Iterator<Item = (usize, usize)> {
+fn chunks(
+    elems: Range<usize>,
+    w: usize,
+    chunk_bytes: usize,
+) -> impl Iterator<Item = (usize, usize)> {
     let chunk = (chunk_bytes / w).max(1) * w;
     let (start, end) = (elems.start * w, elems.end * w);
     (start..end)
@@ -83,7 +87,15 @@ struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
-    fn header(&self, kind: u8, algo: u8, buf: &Buffer, redop: u8, nbytes: usize, aux: usize) -> Header {
+    fn header(
+        &self,
+        kind: u8,
+        algo: u8,
+        buf: &Buffer,
+        redop: u8,
+        nbytes: usize,
+        aux: usize,
+    ) -> Header {
         Header {
             kind,
             dtype: buf.dtype().code(),
@@ -97,14 +109,22 @@ impl Ctx<'_> {
 
     fn check_root(&self, op: &'static str, root: usize) -> Result<()> {
         if root >= self.world {
-            return Err(invalid(op, format!("root {root} is not below world size {}", self.world)));
+            return Err(invalid(
+                op,
+                format!("root {root} is not below world size {}", self.world),
+            ));
         }
         Ok(())
     }
 }
 
 /// Runs one collective to completion.
-pub(crate) fn execute(mesh: &mut Mesh, opts: &TcpOptions, op: Collective, deadline: Instant) -> Result<Buffer> {
+pub(crate) fn execute(
+    mesh: &mut Mesh,
+    opts: &TcpOptions,
+    op: Collective,
+    deadline: Instant,
+) -> Result<Buffer> {
     let ctx = Ctx {
         rank: mesh.rank,
         world: mesh.world,
@@ -119,8 +139,27 @@ pub(crate) fn execute(mesh: &mut Mesh, opts: &TcpOptions, op: Collective, deadli
                 } else {
                     let len = buf.len();
                     let segs: Vec<_> = (0..ctx.world).map(|j| segment(len, ctx.world, j)).collect();
-                    let hdr = ctx.header(ALL_REDUCE, ALGO_RING, &buf, redop_code(op), buf.size_in_bytes(), 0);
-                    ring(mesh, &ctx, &mut buf, &segs, 2 * (ctx.world - 1), 0, ctx.world - 1, op, hdr, name, deadline)?;
+                    let hdr = ctx.header(
+                        ALL_REDUCE,
+                        ALGO_RING,
+                        &buf,
+                        redop_code(op),
+                        buf.size_in_bytes(),
+                        0,
+                    );
+                    ring(
+                        mesh,
+                        &ctx,
+                        &mut buf,
+                        &segs,
+                        2 * (ctx.world - 1),
+                        0,
+                        ctx.world - 1,
+                        op,
+                        hdr,
+                        name,
+                        deadline,
+                    )?;
                 }
             }
             Ok(buf)
@@ -129,8 +168,27 @@ pub(crate) fn execute(mesh: &mut Mesh, opts: &TcpOptions, op: Collective, deadli
             let len = buf.len();
             let segs: Vec<_> = (0..ctx.world).map(|j| segment(len, ctx.world, j)).collect();
             if ctx.world > 1 {
-                let hdr = ctx.header(REDUCE_SCATTER, ALGO_RING, &buf, redop_code(op), buf.size_in_bytes(), 0);
-                ring(mesh, &ctx, &mut buf, &segs, ctx.world - 1, ctx.world - 1, ctx.world - 1, op, hdr, name, deadline)?;
+                let hdr = ctx.header(
+                    REDUCE_SCATTER,
+                    ALGO_RING,
+                    &buf,
+                    redop_code(op),
+                    buf.size_in_bytes(),
+                    0,
+                );
+                ring(
+                    mesh,
+                    &ctx,
+                    &mut buf,
+                    &segs,
+                    ctx.world - 1,
+                    ctx.world - 1,
+                    ctx.world - 1,
+                    op,
+                    hdr,
+                    name,
+                    deadline,
+                )?;
             }
             let mine = &segs[ctx.rank];
             let mut out = Buffer::zeros(buf.dtype(), mine.len());
@@ -142,11 +200,24 @@ pub(crate) fn execute(mesh: &mut Mesh, opts: &TcpOptions, op: Collective, deadli
         Collective::AllGather { buf } => {
             let (n, c, w) = (ctx.world, buf.len(), buf.dtype().size_in_bytes());
             let mut out = Buffer::zeros(buf.dtype(), n * c);
-            out.as_bytes_mut()[ctx.rank * c * w..(ctx.rank + 1) * c * w].copy_from_slice(buf.as_bytes());
+            out.as_bytes_mut()[ctx.rank * c * w..(ctx.rank + 1) * c * w]
+                .copy_from_slice(buf.as_bytes());
             if n > 1 {
                 let segs: Vec<_> = (0..n).map(|j| j * c..(j + 1) * c).collect();
                 let hdr = ctx.header(ALL_GATHER, ALGO_RING, &buf, 0, buf.size_in_bytes(), 0);
-                ring(mesh, &ctx, &mut out, &segs, n - 1, 0, 0, ReduceOp::Sum, hdr, name, deadline)?;
+                ring(
+                    mesh,
+                    &ctx,
+                    &mut out,
+                    &segs,
+                    n - 1,
+                    0,
+                    0,
+                    ReduceOp::Sum,
+                    hdr,
+                    name,
+                    deadline,
+                )?;
             }
             Ok(out)
         }
@@ -154,12 +225,29 @@ pub(crate) fn execute(mesh: &mut Mesh, opts: &TcpOptions, op: Collective, deadli
             ctx.check_root(name, root)?;
             let hdr = ctx.header(BROADCAST, ALGO_CHAIN, &buf, 0, buf.size_in_bytes(), root);
             let pos = (ctx.rank + ctx.world - root) % ctx.world;
-            chain(mesh, &ctx, &mut buf, pos, Mode::Copy, ReduceOp::Sum, hdr, name, deadline)?;
+            chain(
+                mesh,
+                &ctx,
+                &mut buf,
+                pos,
+                Mode::Copy,
+                ReduceOp::Sum,
+                hdr,
+                name,
+                deadline,
+            )?;
             Ok(buf)
         }
         Collective::Reduce { mut buf, op, root } => {
             ctx.check_root(name, root)?;
-            let hdr = ctx.header(REDUCE, ALGO_CHAIN, &buf, redop_code(op), buf.size_in_bytes(), root);
+            let hdr = ctx.header(
+                REDUCE,
+                ALGO_CHAIN,
+                &buf,
+                redop_code(op),
+                buf.size_in_bytes(),
+                root,
+            );
             // The chain starts after the root and ends at it.
             let pos = (ctx.rank + 2 * ctx.world - root - 1) % ctx.world;
             let mode = if pos == ctx.world - 1 {
@@ -206,7 +294,8 @@ pub(crate) fn execute(mesh: &mut Mesh, opts: &TcpOptions, op: Collective, deadli
             let mut plan = Plan::new(buf.dtype(), ReduceOp::Sum, ctx.world);
             if ctx.rank == root {
                 let mut out = Buffer::zeros(buf.dtype(), ctx.world * c);
-                out.as_bytes_mut()[root * c * w..(root + 1) * c * w].copy_from_slice(buf.as_bytes());
+                out.as_bytes_mut()[root * c * w..(root + 1) * c * w]
+                    .copy_from_slice(buf.as_bytes());
                 let r = plan.region(&mut out);
                 for j in (0..ctx.world).filter(|j| *j != root) {
                     let l = plan.in_lane(j, hdr);
@@ -246,7 +335,10 @@ pub(crate) fn execute(mesh: &mut Mesh, opts: &TcpOptions, op: Collective, deadli
         Collective::Send { mut buf, peer } | Collective::Recv { mut buf, peer } => {
             let sending = name == "send";
             if peer >= ctx.world || peer == ctx.rank {
-                return Err(invalid(name, format!("peer {peer} is not another rank of {}", ctx.world)));
+                return Err(invalid(
+                    name,
+                    format!("peer {peer} is not another rank of {}", ctx.world),
+                ));
             }
             let hdr = ctx.header(P2P, ALGO_DIRECT, &buf, 0, buf.size_in_bytes(), 0);
             let bytes = buf.size_in_bytes();
@@ -278,7 +370,13 @@ pub(crate) fn execute(mesh: &mut Mesh, opts: &TcpOptions, op: Collective, deadli
 }
 
 /// Every rank sends its whole buffer to every peer, then reduces all n buffers in rank order.
-fn all_reduce_direct(mesh: &mut Mesh, ctx: &Ctx<'_>, buf: &mut Buffer, op: ReduceOp, deadline: Instant) -> Result<()> {
+fn all_reduce_direct(
+    mesh: &mut Mesh,
+    ctx: &Ctx<'_>,
+    buf: &mut Buffer,
+    op: ReduceOp,
+    deadline: Instant,
+) -> Result<()> {
     let (n, bytes) = (ctx.world, buf.size_in_bytes());
     let dtype = buf.dtype();
     let mut scratch = Buffer::zeros(dtype, buf.len() * (n - 1));

@@ -61,7 +61,8 @@ pub(crate) fn form_mesh(cfg: &GroupConfig, opts: &TcpOptions) -> Result<(Peers, 
         .map_err(|e| fail(format!("publishing the address: {e}")))?;
 
     // Accept the higher ranks on a thread while this one connects to the lower ranks.
-    let accepted: Arc<Mutex<Slots>> = Arc::new(Mutex::new((0..world).map(|_| [None, None]).collect()));
+    let accepted: Arc<Mutex<Slots>> =
+        Arc::new(Mutex::new((0..world).map(|_| [None, None]).collect()));
     let acceptor = {
         let accepted = accepted.clone();
         let (job, secret, round) = (cfg.job.clone(), cfg.secret.clone(), cfg.round);
@@ -96,9 +97,10 @@ pub(crate) fn form_mesh(cfg: &GroupConfig, opts: &TcpOptions) -> Result<(Peers, 
             for (p, addr) in addrs.iter().enumerate() {
                 let addr = String::from_utf8_lossy(addr).to_string();
                 for channel in [Channel::Data, Channel::Control] {
-                    let stream = connect_lower(&addr, &me, p, channel, deadline).map_err(|reason| {
-                        fail(format!("connecting to rank {p} at {addr}: {reason}"))
-                    })?;
+                    let stream =
+                        connect_lower(&addr, &me, p, channel, deadline).map_err(|reason| {
+                            fail(format!("connecting to rank {p} at {addr}: {reason}"))
+                        })?;
                     slots[p][channel as usize] = Some(stream);
                 }
             }
@@ -112,9 +114,10 @@ pub(crate) fn form_mesh(cfg: &GroupConfig, opts: &TcpOptions) -> Result<(Peers, 
     let mut accepted = accepted.lock().unwrap_or_else(|p| p.into_inner());
     let mut peers: Peers = Vec::with_capacity(world);
     for (p, (mine, theirs)) in slots.iter_mut().zip(accepted.iter_mut()).enumerate() {
-        let take = |i: usize, mine: &mut [Option<TcpStream>; 2], theirs: &mut [Option<TcpStream>; 2]| {
-            mine[i].take().or_else(|| theirs[i].take())
-        };
+        let take =
+            |i: usize, mine: &mut [Option<TcpStream>; 2], theirs: &mut [Option<TcpStream>; 2]| {
+                mine[i].take().or_else(|| theirs[i].take())
+            };
         let data = take(0, mine, theirs);
         let ctrl = take(1, mine, theirs);
         match (data, ctrl) {

@@ -203,7 +203,14 @@ impl Plan {
 
     /// Queues `len` bytes at `start` of `region` on an outgoing lane, to be sent once the
     /// lane's dependency has processed `after` items.
-    pub(crate) fn send(&mut self, lane: usize, region: usize, start: usize, len: usize, after: usize) {
+    pub(crate) fn send(
+        &mut self,
+        lane: usize,
+        region: usize,
+        start: usize,
+        len: usize,
+        after: usize,
+    ) {
         debug_assert!(start + len <= self.regions[region].len);
         if len > 0 {
             self.outs[lane].items.push(SendItem {
@@ -216,7 +223,14 @@ impl Plan {
     }
 
     /// Queues `len` bytes at `start` of `region` on an incoming lane.
-    pub(crate) fn recv(&mut self, lane: usize, region: usize, start: usize, len: usize, mode: Mode) {
+    pub(crate) fn recv(
+        &mut self,
+        lane: usize,
+        region: usize,
+        start: usize,
+        len: usize,
+        mode: Mode,
+    ) {
         debug_assert!(start + len <= self.regions[region].len);
         if len > 0 {
             self.ins[lane].items.push(RecvItem {
@@ -263,6 +277,25 @@ enum PeerState {
 const CTRL_LEN: usize = 6;
 const CTRL_GOODBYE: u8 = 1;
 const CTRL_ABORT: u8 = 2;
+const CTRL_HEARTBEAT: u8 = 3;
+
+/// A heartbeat control message.
+pub(crate) const HEARTBEAT: [u8; CTRL_LEN] = [CTRL_HEARTBEAT, 0, 0, 0, 0, 0];
+/// A goodbye control message.
+pub(crate) const GOODBYE: [u8; CTRL_LEN] = [CTRL_GOODBYE, 0, 0, 0, 0, 0];
+
+/// Sends a control message to every peer.
+pub(crate) type ControlSender = Arc<dyn Fn(&[u8; CTRL_LEN]) + Send + Sync>;
+
+/// Sends one control message to every given control socket. Callers serialise sends (the
+/// `Shared` mutex), so 6-byte messages never interleave.
+pub(crate) fn broadcast_control(ctrl: &[TcpStream], msg: &[u8; CTRL_LEN]) {
+    for s in ctrl {
+        // Tiny and rare: a non-blocking send only fails if the peer is gone, which the peer's
+        // own side notices anyway.
+        let _ = link::send(s.as_raw_fd(), msg);
+    }
+}
 
 /// Why a rank gave up on an operation, as told to its peers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -288,6 +321,8 @@ struct Peer {
     data: TcpStream,
     ctrl: TcpStream,
     state: PeerState,
+    /// When a control message (usually a heartbeat) was last read from it.
+    last_heard: Instant,
     ctrl_buf: [u8; CTRL_LEN],
     ctrl_off: usize,
 }
@@ -302,6 +337,10 @@ pub(crate) struct Mesh {
     aborted: Arc<AtomicBool>,
     /// A failure another rank reported: (reporter, lost rank or None, cause code).
     notice: Option<(usize, Option<usize>, u8)>,
+    /// Sends control messages (shared with the heartbeat thread).
+    control: ControlSender,
+    /// A peer silent for longer than this is presumed hung when naming a timeout's culprit.
+    silence: Duration,
 }
 
 /// The longest single poll, so an abort is seen even if no socket event wakes us.
@@ -330,7 +369,10 @@ impl Mesh {
         world: usize,
         links: Vec<Option<PeerLinks>>,
         aborted: Arc<AtomicBool>,
+        control: ControlSender,
+        silence: Duration,
     ) -> Mesh {
+        let now = Instant::now();
         let links = links
             .into_iter()
             .map(|l| {
@@ -338,6 +380,7 @@ impl Mesh {
                     data: l.data,
                     ctrl: l.ctrl,
                     state: PeerState::Alive,
+                    last_heard: now,
                     ctrl_buf: [0; CTRL_LEN],
                     ctrl_off: 0,
                 })
@@ -351,6 +394,8 @@ impl Mesh {
             recv_seq: vec![0; world],
             aborted,
             notice: None,
+            control,
+            silence,
         }
     }
 
@@ -370,8 +415,10 @@ impl Mesh {
                             continue;
                         }
                         peer.ctrl_off = 0;
+                        peer.last_heard = Instant::now();
                         let b = peer.ctrl_buf;
                         match b[0] {
+                            CTRL_HEARTBEAT => {}
                             CTRL_GOODBYE => peer.state = PeerState::Departed,
                             CTRL_ABORT => {
                                 let lost = u32::from_le_bytes([b[1], b[2], b[3], b[4]]);
@@ -417,28 +464,49 @@ impl Mesh {
                 });
             }
             return Some(match lost {
-                Some(peer) => self.lost(peer, op, format!("rank {reporter} reports rank {peer} {what}")),
-                None => self.lost(reporter, op, format!("rank {reporter} {what}")),
+                Some(peer) if peer != self.rank => self.lost(
+                    peer,
+                    op,
+                    format!("rank {reporter} reports rank {peer} {what}"),
+                ),
+                _ => self.lost(reporter, op, format!("rank {reporter} {what}")),
             });
         }
-        self.links.iter().enumerate().find_map(|(p, peer)| match peer {
-            Some(Peer {
-                state: PeerState::Dead(reason),
-                ..
-            }) if plan.needs(p) => Some(self.lost(p, op, reason.clone())),
-            _ => None,
-        })
+        self.links
+            .iter()
+            .enumerate()
+            .find_map(|(p, peer)| match peer {
+                Some(Peer {
+                    state: PeerState::Dead(reason),
+                    ..
+                }) if plan.needs(p) => Some(self.lost(p, op, reason.clone())),
+                _ => None,
+            })
     }
 
-    fn send_control(&mut self, msg: [u8; CTRL_LEN]) {
-        for peer in self.links.iter_mut().flatten() {
-            if peer.state != PeerState::Alive {
-                continue;
-            }
-            // Control messages are tiny and rare, so a non-blocking send of 6 bytes only fails
-            // if the peer is gone, which it will notice on its own.
-            let _ = link::send(peer.ctrl.as_raw_fd(), &msg);
+    /// An abort shuts this rank's own sockets down, which reads like dead peers: report the
+    /// abort instead.
+    fn unless_aborted(&self, e: Error) -> Error {
+        if self.aborted.load(Ordering::Acquire) {
+            Error::Aborted { rank: self.rank }
+        } else {
+            e
         }
+    }
+
+    /// The peers that went silent (no heartbeat for longer than the silence bound): the
+    /// likely culprits of a timeout.
+    fn silent_peers(&self, now: Instant) -> Vec<usize> {
+        self.links
+            .iter()
+            .enumerate()
+            .filter_map(|(p, peer)| {
+                let peer = peer.as_ref()?;
+                (peer.state == PeerState::Alive
+                    && now.duration_since(peer.last_heard) > self.silence)
+                    .then_some(p)
+            })
+            .collect()
     }
 
     /// Tells every peer that this rank gave up on its operation because of `lost`.
@@ -450,14 +518,12 @@ impl Mesh {
         msg[0] = CTRL_ABORT;
         msg[1..5].copy_from_slice(&lost.map_or(u32::MAX, |p| p as u32).to_le_bytes());
         msg[5] = cause as u8;
-        self.send_control(msg);
+        (self.control)(&msg);
     }
 
     /// Says goodbye to every peer and closes the connections (an orderly leave).
-    pub(crate) fn goodbye(mut self) {
-        let mut msg = [0u8; CTRL_LEN];
-        msg[0] = CTRL_GOODBYE;
-        self.send_control(msg);
+    pub(crate) fn goodbye(self) {
+        (self.control)(&GOODBYE);
         for peer in self.links.iter().flatten() {
             let _ = peer.ctrl.shutdown(std::net::Shutdown::Write);
             let _ = peer.data.shutdown(std::net::Shutdown::Write);
@@ -475,7 +541,17 @@ impl Mesh {
 
     /// Runs every transfer of `plan` to completion, or fails at the first lost peer, mismatch,
     /// abort, or at `deadline`.
-    pub(crate) fn run(&mut self, plan: &mut Plan, op: &'static str, deadline: Instant) -> Result<()> {
+    pub(crate) fn run(
+        &mut self,
+        plan: &mut Plan,
+        op: &'static str,
+        deadline: Instant,
+    ) -> Result<()> {
+        self.run_inner(plan, op, deadline)
+            .map_err(|e| self.unless_aborted(e))
+    }
+
+    fn run_inner(&mut self, plan: &mut Plan, op: &'static str, deadline: Instant) -> Result<()> {
         if !plan.check_bounds() {
             return Err(Error::InvalidArgument {
                 op,
@@ -516,14 +592,28 @@ impl Mesh {
             let mut want_read = vec![false; self.world];
             let mut want_write = vec![false; self.world];
             for l in plan.ins.iter_mut() {
-                progressed |= self.pump_in(l, &plan.regions, plan.dtype, plan.op, plan.world, op, &mut want_read)?;
+                progressed |= self.pump_in(
+                    l,
+                    &plan.regions,
+                    plan.dtype,
+                    plan.op,
+                    plan.world,
+                    op,
+                    &mut want_read,
+                )?;
             }
             let in_done: Vec<usize> = plan.ins.iter().map(|l| l.cur).collect();
             for l in plan.outs.iter_mut() {
                 progressed |= self.pump_out(l, &plan.regions, &in_done, op, &mut want_write)?;
             }
-            let finished = plan.ins.iter().all(|l| l.hdr_off == HEADER_LEN && l.cur == l.items.len())
-                && plan.outs.iter().all(|l| l.hdr_off == HEADER_LEN && l.cur == l.items.len());
+            let finished = plan
+                .ins
+                .iter()
+                .all(|l| l.hdr_off == HEADER_LEN && l.cur == l.items.len())
+                && plan
+                    .outs
+                    .iter()
+                    .all(|l| l.hdr_off == HEADER_LEN && l.cur == l.items.len());
             if finished {
                 return Ok(());
             }
@@ -532,18 +622,23 @@ impl Mesh {
             }
             let now = Instant::now();
             if now >= deadline {
-                let mut waiting_on: Vec<usize> = plan
-                    .ins
-                    .iter()
-                    .filter(|l| l.hdr_off < HEADER_LEN || l.cur < l.items.len())
-                    .map(|l| l.peer)
-                    .chain(
-                        plan.outs
-                            .iter()
-                            .filter(|l| l.hdr_off < HEADER_LEN || l.cur < l.items.len())
-                            .map(|l| l.peer),
-                    )
-                    .collect();
+                // Name the silent peers if any (a stopped process sends no heartbeats; one
+                // merely blocked behind it still does); else the peers this rank's lanes wait on.
+                let mut waiting_on = self.silent_peers(now);
+                if waiting_on.is_empty() {
+                    waiting_on = plan
+                        .ins
+                        .iter()
+                        .filter(|l| l.hdr_off < HEADER_LEN || l.cur < l.items.len())
+                        .map(|l| l.peer)
+                        .chain(
+                            plan.outs
+                                .iter()
+                                .filter(|l| want_write[l.peer])
+                                .map(|l| l.peer),
+                        )
+                        .collect();
+                }
                 waiting_on.sort_unstable();
                 waiting_on.dedup();
                 return Err(Error::Timeout {
@@ -709,7 +804,9 @@ impl Mesh {
             reason,
         };
         let Some(got) = Header::decode(&l.hdr) else {
-            return Err(mismatch("the peer sent bytes that are not a rekindle header".into()));
+            return Err(mismatch(
+                "the peer sent bytes that are not a rekindle header".into(),
+            ));
         };
         if got != l.expect {
             return Err(mismatch(format!(

@@ -1,0 +1,1 @@
+//! NCCL backend implementation (lands with the nccl feature work).
