@@ -195,18 +195,36 @@ fn count_for(op: &str, bytes: usize, w: usize, n: usize) -> usize {
     }
 }
 
-/// One iteration; returns the result and the number of wrong elements when `check`.
+/// The buffers this rank passes to `op`, built outside the timed region: the input, and for
+/// `sendrecv` the receive buffer.
+fn prepare(pg: &ProcessGroup, op: &str, dtype: DType, redop: ReduceOp, count: usize) -> (Buffer, Buffer) {
+    let (rank, n) = (pg.rank(), pg.world_size());
+    let input = if op == "scatter" && rank != 0 {
+        Buffer::zeros(dtype, segment(count, n, rank).len())
+    } else {
+        input(op, dtype, redop, rank, count)
+    };
+    let spare = if op == "sendrecv" {
+        Buffer::from_fn(dtype, count, |_| 0.0)
+    } else {
+        Buffer::zeros(dtype, 0)
+    };
+    (input, spare)
+}
+
+/// One iteration on buffers from [`prepare`]; returns the number of wrong elements when
+/// `check`.
 fn run_once(
     pg: &ProcessGroup,
     op: &str,
     dtype: DType,
     redop: ReduceOp,
     count: usize,
+    (buf, rbuf): (Buffer, Buffer),
     check: bool,
 ) -> Result<usize> {
     let (rank, n) = (pg.rank(), pg.world_size());
     let wait = Duration::from_secs(120);
-    let buf = input(op, dtype, redop, rank, count);
     let mut wrong = 0;
     let mut cmp = |got: &Buffer, want: &dyn Fn(usize) -> f64| {
         if check {
@@ -265,7 +283,6 @@ fn run_once(
             // Each rank sends to the next and receives from the previous, in an order that
             // cannot deadlock.
             let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
-            let rbuf = Buffer::zeros(dtype, count);
             let got = if n == 1 {
                 buf
             } else if rank % 2 == 0 {
@@ -347,14 +364,16 @@ fn rank_main(args: Args, rank: usize) -> Result<()> {
         let mut size = args.min_bytes.max(w * world);
         while size <= args.max_bytes {
             let count = count_for(op, size, w, world);
+            let template = prepare(&pg, op, dtype, redop, count);
             for _ in 0..args.warmup {
-                run_once(&pg, op, dtype, redop, count, false)?;
+                run_once(&pg, op, dtype, redop, count, template.clone(), false)?;
             }
             let mut times = Vec::with_capacity(args.iters);
             for _ in 0..args.iters {
+                let bufs = template.clone();
                 pg.barrier().wait(wait)?;
                 let t = Instant::now();
-                run_once(&pg, op, dtype, redop, count, false)?;
+                run_once(&pg, op, dtype, redop, count, bufs, false)?;
                 times.push(t.elapsed().as_secs_f64());
             }
             times.sort_by(|a, b| a.total_cmp(b));
@@ -370,7 +389,7 @@ fn rank_main(args: Args, rank: usize) -> Result<()> {
                 .into_vec::<f64>()
                 .map_err(|_| anyhow::anyhow!("dtype"))?[0];
             let wrong = if args.check == 1 {
-                let wr = run_once(&pg, op, dtype, redop, count, true)?;
+                let wr = run_once(&pg, op, dtype, redop, count, template, true)?;
                 let all = pg
                     .all_reduce(Buffer::from(vec![wr as i64]), ReduceOp::Sum)
                     .wait(wait)?;
