@@ -164,6 +164,30 @@ fn every_op_dtype_and_size_world_1_to_5_default_options() {
     }
 }
 
+/// The same matrix with shared memory off: every byte crosses TCP sockets.
+#[test]
+fn every_op_dtype_and_size_world_1_to_5_tcp_only() {
+    for world in 1..=5 {
+        let opts = TcpOptions {
+            shared_memory: false,
+            ..many_chunks()
+        };
+        run_ranks(&format!("tcp-{world}"), world, opts, check_all);
+    }
+}
+
+/// Tiny rings: every lane wraps its ring many times and waits on doorbells.
+#[test]
+fn every_op_dtype_and_size_world_1_to_5_tiny_rings() {
+    for world in [2, 3, 5] {
+        let opts = TcpOptions {
+            shm_ring_bytes: 64,
+            ..many_chunks()
+        };
+        run_ranks(&format!("rings-{world}"), world, opts, check_all);
+    }
+}
+
 #[test]
 fn large_all_reduce_crosses_the_small_message_threshold() {
     // 300 000 f32 = 1.2 MB: ring path with the default 512 KiB chunks on 3 ranks.

@@ -67,6 +67,12 @@ struct Args {
     /// Kernel socket buffer size to request, in bytes.
     #[arg(long, value_parser = parse_size)]
     sockbuf: Option<usize>,
+    /// Move every byte over TCP sockets, never through shared memory.
+    #[arg(long)]
+    no_shm: bool,
+    /// Shared-memory ring size per direction, in bytes.
+    #[arg(long, value_parser = parse_size)]
+    ring: Option<usize>,
 }
 
 fn parse_size(s: &str) -> Result<usize, String> {
@@ -197,7 +203,13 @@ fn count_for(op: &str, bytes: usize, w: usize, n: usize) -> usize {
 
 /// The buffers this rank passes to `op`, built outside the timed region: the input, and for
 /// `sendrecv` the receive buffer.
-fn prepare(pg: &ProcessGroup, op: &str, dtype: DType, redop: ReduceOp, count: usize) -> (Buffer, Buffer) {
+fn prepare(
+    pg: &ProcessGroup,
+    op: &str,
+    dtype: DType,
+    redop: ReduceOp,
+    count: usize,
+) -> (Buffer, Buffer) {
     let (rank, n) = (pg.rank(), pg.world_size());
     let input = if op == "scatter" && rank != 0 {
         Buffer::zeros(dtype, segment(count, n, rank).len())
@@ -314,6 +326,10 @@ fn rank_main(args: Args, rank: usize) -> Result<()> {
         opts.small_message_bytes = s;
     }
     opts.socket_buffer_bytes = args.sockbuf;
+    opts.shared_memory = !args.no_shm;
+    if let Some(r) = args.ring {
+        opts.shm_ring_bytes = r;
+    }
     let cfg = GroupConfig {
         job: "collectives-perf".into(),
         round: 0,

@@ -179,15 +179,20 @@ int_arith!(i32);
 int_arith!(i64);
 int_arith!(u8);
 
-fn combine_typed<T: Arith>(op: ReduceOp, dst: &mut [T], src: &[T]) {
-    let f: fn(T, T) -> T = match op {
-        ReduceOp::Sum | ReduceOp::Avg => T::add,
-        ReduceOp::Prod => T::mul,
-        ReduceOp::Min => T::min,
-        ReduceOp::Max => T::max,
-    };
+#[inline(always)]
+fn zip_apply<T: Copy>(dst: &mut [T], src: &[T], f: impl Fn(T, T) -> T) {
     for (d, s) in dst.iter_mut().zip(src) {
         *d = f(*d, *s);
+    }
+}
+
+/// One monomorphised loop per operator, so the compiler can vectorise it.
+fn combine_typed<T: Arith>(op: ReduceOp, dst: &mut [T], src: &[T]) {
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => zip_apply(dst, src, T::add),
+        ReduceOp::Prod => zip_apply(dst, src, T::mul),
+        ReduceOp::Min => zip_apply(dst, src, T::min),
+        ReduceOp::Max => zip_apply(dst, src, T::max),
     }
 }
 

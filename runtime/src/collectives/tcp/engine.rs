@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use super::bootstrap::PeerLinks;
 use super::link::{self, Io};
+use super::shm::ShmPair;
 use crate::buffer::Buffer;
 use crate::collectives::reduce::{combine, finish_avg, ReduceOp};
 use crate::dtype::DType;
@@ -129,6 +130,8 @@ struct InLane {
 /// The transfers of one operation. Regions are raw views of buffers the caller owns and keeps
 /// alive, unmoved and otherwise untouched, until [`Mesh::run`] returns.
 pub(crate) struct Plan {
+    /// Zeros sent, and scratch received, to keep each shared-memory lane 8-byte aligned.
+    pad: Buffer,
     /// True when every rank takes part (all but send/recv): any lost rank fails it.
     group_wide: bool,
     regions: Vec<Region>,
@@ -142,6 +145,7 @@ pub(crate) struct Plan {
 impl Plan {
     pub(crate) fn new(dtype: DType, op: ReduceOp, world: usize) -> Plan {
         Plan {
+            pad: Buffer::U8(vec![0; 16]),
             group_wide: true,
             regions: Vec::new(),
             outs: Vec::new(),
@@ -320,6 +324,9 @@ impl Cause {
 struct Peer {
     data: TcpStream,
     ctrl: TcpStream,
+    /// Shared-memory rings, when the peer is on this host; the data socket then carries only
+    /// doorbells.
+    shm: Option<ShmPair>,
     state: PeerState,
     /// When a control message (usually a heartbeat) was last read from it.
     last_heard: Instant,
@@ -345,6 +352,9 @@ pub(crate) struct Mesh {
 
 /// The longest single poll, so an abort is seen even if no socket event wakes us.
 const POLL_SLICE: Duration = Duration::from_millis(50);
+
+/// How long a rank blocked on a shared-memory ring spins before it asks for a doorbell.
+const SHM_SPIN: Duration = Duration::from_micros(50);
 
 fn kind_name(kind: u8) -> &'static str {
     super::algorithms::kind_name(kind)
@@ -379,6 +389,7 @@ impl Mesh {
                 l.map(|l| Peer {
                     data: l.data,
                     ctrl: l.ctrl,
+                    shm: l.shm,
                     state: PeerState::Alive,
                     last_heard: now,
                     ctrl_buf: [0; CTRL_LEN],
@@ -578,7 +589,32 @@ impl Mesh {
                 l.staging = Some(Buffer::zeros(plan.dtype, bytes.div_ceil(w)));
             }
         }
+        // Lanes through shared memory end on an 8-byte boundary, so every element in a ring
+        // is aligned for its dtype and a wrap never splits one.
+        let pad = plan.region(&mut Buffer::U8(Vec::new()));
+        let pad_ptr = plan.pad.as_bytes_mut().as_mut_ptr();
+        plan.regions[pad] = Region {
+            ptr: pad_ptr,
+            len: 16,
+        };
+        for i in 0..plan.outs.len() {
+            if self.is_shm(plan.outs[i].peer) {
+                let total: usize =
+                    HEADER_LEN + plan.outs[i].items.iter().map(|x| x.len).sum::<usize>();
+                plan.send(i, pad, 0, (8 - total % 8) % 8, 0);
+            }
+        }
+        for i in 0..plan.ins.len() {
+            if self.is_shm(plan.ins[i].peer) {
+                let total: usize =
+                    HEADER_LEN + plan.ins[i].items.iter().map(|x| x.len).sum::<usize>();
+                plan.recv(i, pad, 8, (8 - total % 8) % 8, Mode::Copy);
+            }
+        }
         let start = Instant::now();
+        let mut spin_since: Option<Instant> = None;
+        let mut shm_wait_in: Vec<usize> = Vec::new();
+        let mut shm_wait_out: Vec<usize> = Vec::new();
         let mut fds: Vec<libc::pollfd> = Vec::with_capacity(2 * self.world);
         self.read_control();
         if let Some(e) = self.liveness_error(plan, op) {
@@ -591,20 +627,38 @@ impl Mesh {
             let mut progressed = false;
             let mut want_read = vec![false; self.world];
             let mut want_write = vec![false; self.world];
+            shm_wait_in.clear();
+            shm_wait_out.clear();
             for l in plan.ins.iter_mut() {
-                progressed |= self.pump_in(
-                    l,
-                    &plan.regions,
-                    plan.dtype,
-                    plan.op,
-                    plan.world,
-                    op,
-                    &mut want_read,
-                )?;
+                progressed |= if self.is_shm(l.peer) {
+                    self.pump_in_shm(
+                        l,
+                        &plan.regions,
+                        plan.dtype,
+                        plan.op,
+                        plan.world,
+                        op,
+                        &mut shm_wait_in,
+                    )?
+                } else {
+                    self.pump_in(
+                        l,
+                        &plan.regions,
+                        plan.dtype,
+                        plan.op,
+                        plan.world,
+                        op,
+                        &mut want_read,
+                    )?
+                };
             }
             let in_done: Vec<usize> = plan.ins.iter().map(|l| l.cur).collect();
             for l in plan.outs.iter_mut() {
-                progressed |= self.pump_out(l, &plan.regions, &in_done, op, &mut want_write)?;
+                progressed |= if self.is_shm(l.peer) {
+                    self.pump_out_shm(l, &plan.regions, &in_done, &mut shm_wait_out)
+                } else {
+                    self.pump_out(l, &plan.regions, &in_done, op, &mut want_write)?
+                };
             }
             let finished = plan
                 .ins
@@ -618,9 +672,37 @@ impl Mesh {
                 return Ok(());
             }
             if progressed {
+                spin_since = None;
                 continue;
             }
+            // A departed peer on a ring: its data was written before its goodbye, so an empty
+            // ring now stays empty (and a full one stays full).
+            for &p in shm_wait_in.iter().chain(&shm_wait_out) {
+                if matches!(
+                    self.links[p].as_ref().map(|x| &x.state),
+                    Some(PeerState::Departed)
+                ) {
+                    return Err(self.lost(
+                        p,
+                        op,
+                        "it left the group before finishing this operation",
+                    ));
+                }
+            }
             let now = Instant::now();
+            if !shm_wait_in.is_empty() || !shm_wait_out.is_empty() {
+                // A peer on this host is usually microseconds away: spin a little before
+                // paying for doorbells and a poll.
+                let since = *spin_since.get_or_insert(now);
+                if now.duration_since(since) < SHM_SPIN && now < deadline {
+                    std::hint::spin_loop();
+                    continue;
+                }
+                spin_since = None;
+                if !self.arm_doorbells(&shm_wait_in, &shm_wait_out, &mut want_read) {
+                    continue; // bytes or space arrived while arming
+                }
+            }
             if now >= deadline {
                 // Name the silent peers if any (a stopped process sends no heartbeats; one
                 // merely blocked behind it still does); else the peers this rank's lanes wait on.
@@ -682,9 +764,190 @@ impl Mesh {
                     &std::io::Error::last_os_error(),
                 ));
             }
+            self.drain_doorbells(&want_read);
             self.read_control();
             if let Some(e) = self.liveness_error(plan, op) {
                 return Err(e);
+            }
+        }
+    }
+
+    fn is_shm(&self, peer: usize) -> bool {
+        self.links[peer].as_ref().is_some_and(|p| p.shm.is_some())
+    }
+
+    /// Asks the peers whose rings block us for a doorbell; false if one need not be waited for.
+    fn arm_doorbells(&self, wait_in: &[usize], wait_out: &[usize], want_read: &mut [bool]) -> bool {
+        let mut all_armed = true;
+        for &p in wait_in {
+            if let Some(shm) = self.links[p].as_ref().and_then(|x| x.shm.as_ref()) {
+                all_armed &= shm.rx.wait_for_data();
+                want_read[p] = true;
+            }
+        }
+        for &p in wait_out {
+            if let Some(shm) = self.links[p].as_ref().and_then(|x| x.shm.as_ref()) {
+                all_armed &= shm.tx.wait_for_space();
+                want_read[p] = true;
+            }
+        }
+        all_armed
+    }
+
+    /// Reads away doorbell bytes of shared-memory peers we waited on.
+    fn drain_doorbells(&self, waited: &[bool]) {
+        let mut sink = [0u8; 64];
+        for (p, peer) in self.links.iter().enumerate() {
+            let Some(peer) = peer else { continue };
+            if peer.shm.is_none() || !waited[p] {
+                continue;
+            }
+            while let Io::Done(_) = link::recv(peer.data.as_raw_fd(), &mut sink) {}
+        }
+    }
+
+    fn ring_doorbell(&self, peer: usize) {
+        if let Some(p) = &self.links[peer] {
+            let _ = link::send(p.data.as_raw_fd(), &[1]);
+        }
+    }
+
+    /// As [`Mesh::pump_in`], from the peer's ring: copies out, or reduces straight from the
+    /// ring into place.
+    #[allow(clippy::too_many_arguments)]
+    fn pump_in_shm(
+        &self,
+        l: &mut InLane,
+        regions: &[Region],
+        dtype: DType,
+        rop: ReduceOp,
+        world: usize,
+        op: &'static str,
+        wait: &mut Vec<usize>,
+    ) -> Result<bool> {
+        let Some(ring) = self.links[l.peer]
+            .as_ref()
+            .and_then(|p| p.shm.as_ref())
+            .map(|s| &s.rx)
+        else {
+            return Err(self.lost(l.peer, op, "no connection"));
+        };
+        let w = dtype.size_in_bytes();
+        let mut progressed = false;
+        loop {
+            if l.hdr_off < HEADER_LEN {
+                let (a, b) = ring.readable(HEADER_LEN - l.hdr_off);
+                let n = a.len() + b.len();
+                if n == 0 {
+                    wait.push(l.peer);
+                    return Ok(progressed);
+                }
+                l.hdr[l.hdr_off..l.hdr_off + a.len()].copy_from_slice(a);
+                l.hdr[l.hdr_off + a.len()..l.hdr_off + n].copy_from_slice(b);
+                if ring.consume(n) {
+                    self.ring_doorbell(l.peer);
+                }
+                l.hdr_off += n;
+                progressed = true;
+                if l.hdr_off == HEADER_LEN {
+                    self.check_header(l, op)?;
+                }
+                continue;
+            }
+            let Some(item) = l.items.get(l.cur) else {
+                return Ok(progressed);
+            };
+            let region = &regions[item.region];
+            let (a, b) = ring.readable(item.len - l.off);
+            let mut n = a.len() + b.len();
+            if item.mode != Mode::Copy {
+                n -= n % w;
+            }
+            if n == 0 {
+                wait.push(l.peer);
+                return Ok(progressed);
+            }
+            let (a, b) = (&a[..a.len().min(n)], &b[..n - a.len().min(n)]);
+            // SAFETY: bounds were checked; the region outlives `run`; no other view of these
+            // bytes exists during this call.
+            let dst =
+                unsafe { std::slice::from_raw_parts_mut(region.ptr.add(item.start + l.off), n) };
+            if item.mode == Mode::Copy {
+                dst[..a.len()].copy_from_slice(a);
+                dst[a.len()..].copy_from_slice(b);
+            } else {
+                let (d1, d2) = dst.split_at_mut(a.len());
+                combine(rop, dtype, d1, a);
+                combine(rop, dtype, d2, b);
+            }
+            if ring.consume(n) {
+                self.ring_doorbell(l.peer);
+            }
+            progressed = true;
+            l.off += n;
+            if l.off == item.len {
+                if item.mode == Mode::ReduceFinish {
+                    // SAFETY: as above, the whole item.
+                    let whole = unsafe {
+                        std::slice::from_raw_parts_mut(region.ptr.add(item.start), item.len)
+                    };
+                    finish_avg(rop, dtype, whole, world);
+                }
+                l.cur += 1;
+                l.off = 0;
+            }
+        }
+    }
+
+    /// As [`Mesh::pump_out`], into the peer's ring.
+    fn pump_out_shm(
+        &self,
+        l: &mut OutLane,
+        regions: &[Region],
+        in_done: &[usize],
+        wait: &mut Vec<usize>,
+    ) -> bool {
+        let Some(ring) = self.links[l.peer]
+            .as_ref()
+            .and_then(|p| p.shm.as_ref())
+            .map(|s| &s.tx)
+        else {
+            return false;
+        };
+        let mut progressed = false;
+        loop {
+            let src: &[u8] = if l.hdr_off < HEADER_LEN {
+                &l.hdr[l.hdr_off..]
+            } else {
+                let Some(item) = l.items.get(l.cur) else {
+                    return progressed;
+                };
+                if l.dep.is_some_and(|d| in_done[d] < item.after) {
+                    return progressed;
+                }
+                let region = &regions[item.region];
+                // SAFETY: bounds checked; the bytes are complete input or received data.
+                unsafe {
+                    std::slice::from_raw_parts(region.ptr.add(item.start + l.off), item.len - l.off)
+                }
+            };
+            let (n, bell) = ring.write(src);
+            if bell {
+                self.ring_doorbell(l.peer);
+            }
+            if n == 0 {
+                wait.push(l.peer);
+                return progressed;
+            }
+            progressed = true;
+            if l.hdr_off < HEADER_LEN {
+                l.hdr_off += n;
+            } else {
+                l.off += n;
+                if l.off == l.items[l.cur].len {
+                    l.cur += 1;
+                    l.off = 0;
+                }
             }
         }
     }

@@ -17,6 +17,7 @@ mod bootstrap;
 mod engine;
 mod handshake;
 mod link;
+mod shm;
 
 use std::net::{IpAddr, Ipv4Addr, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -48,6 +49,12 @@ pub struct TcpOptions {
     /// thread, so that when an operation times out the rank that went silent (a stopped or
     /// wedged process) is named rather than the live ranks blocked behind it. Default 100 ms.
     pub heartbeat_interval: Duration,
+    /// Move bytes between ranks on the same host through shared-memory rings (the pair's TCP
+    /// connections then carry only doorbells and liveness). Pairs on different hosts always
+    /// use TCP. Default true.
+    pub shared_memory: bool,
+    /// Bytes of each shared-memory ring (one per direction of a pair). Default 4 MiB.
+    pub shm_ring_bytes: usize,
 }
 
 impl Default for TcpOptions {
@@ -59,6 +66,8 @@ impl Default for TcpOptions {
             small_message_bytes: 32 * 1024,
             socket_buffer_bytes: None,
             heartbeat_interval: Duration::from_millis(100),
+            shared_memory: true,
+            shm_ring_bytes: 4 << 20,
         }
     }
 }
