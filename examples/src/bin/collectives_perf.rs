@@ -449,6 +449,29 @@ fn rank_main(args: Args, rank: usize) -> Result<()> {
             size *= args.factor;
         }
     }
+    // Peak resident memory, against the largest user buffer: the backend's own memory is the
+    // difference (staging chunks, rings).
+    let peak = peak_rss_bytes();
+    let all = pg
+        .all_reduce(Buffer::from(vec![peak as i64]), ReduceOp::Max)
+        .wait(wait)?;
+    if rank == 0 {
+        let max = all.into_vec::<i64>().map_err(|_| anyhow::anyhow!("dtype"))?[0];
+        println!(
+            "# peak RSS of the largest rank: {:.1} MiB (largest buffer {:.1} MiB)",
+            max as f64 / (1 << 20) as f64,
+            args.max_bytes as f64 / (1 << 20) as f64
+        );
+    }
     pg.barrier().wait(wait)?;
     Ok(())
+}
+
+fn peak_rss_bytes() -> u64 {
+    // SAFETY: getrusage fills the struct we pass.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) } != 0 {
+        return 0;
+    }
+    u.ru_maxrss.max(0) as u64 * 1024
 }
