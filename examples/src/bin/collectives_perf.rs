@@ -234,10 +234,13 @@ fn run_once(
     count: usize,
     (buf, rbuf): (Buffer, Buffer),
     check: bool,
-) -> Result<usize> {
+) -> Result<(usize, Option<(Buffer, Buffer)>)> {
     let (rank, n) = (pg.rank(), pg.world_size());
     let wait = Duration::from_secs(120);
     let mut wrong = 0;
+    // In-place operations hand their buffers back for the next iteration, as nccl-tests reuses
+    // its buffers; the others build fresh outputs every time (that cost is theirs).
+    let mut reuse = None;
     let mut cmp = |got: &Buffer, want: &dyn Fn(usize) -> f64| {
         if check {
             wrong += (0..got.len())
@@ -249,12 +252,14 @@ fn run_once(
         "all_reduce" => {
             let got = pg.all_reduce(buf, redop).wait(wait)?;
             cmp(&got, &|i| reduced(dtype, redop, n, i));
+            reuse = Some((got, rbuf));
         }
         "reduce" => {
             let got = pg.reduce(buf, redop, 0).wait(wait)?;
             if rank == 0 {
                 cmp(&got, &|i| reduced(dtype, redop, n, i));
             }
+            reuse = Some((got, rbuf));
         }
         "reduce_scatter" => {
             let got = pg.reduce_scatter(buf, redop).wait(wait)?;
@@ -264,6 +269,7 @@ fn run_once(
         "broadcast" => {
             let got = pg.broadcast(buf, 0).wait(wait)?;
             cmp(&got, &|i| value(0, i));
+            reuse = Some((got, rbuf));
         }
         "all_gather" => {
             let got = pg.all_gather(buf).wait(wait)?;
@@ -309,7 +315,7 @@ fn run_once(
         }
         other => bail!("unknown op {other}"),
     }
-    Ok(wrong)
+    Ok((wrong, reuse))
 }
 
 fn rank_main(args: Args, rank: usize) -> Result<()> {
@@ -381,15 +387,17 @@ fn rank_main(args: Args, rank: usize) -> Result<()> {
         while size <= args.max_bytes {
             let count = count_for(op, size, w, world);
             let template = prepare(&pg, op, dtype, redop, count);
+            let mut spare = None;
             for _ in 0..args.warmup {
-                run_once(&pg, op, dtype, redop, count, template.clone(), false)?;
+                let bufs = spare.take().unwrap_or_else(|| template.clone());
+                spare = run_once(&pg, op, dtype, redop, count, bufs, false)?.1;
             }
             let mut times = Vec::with_capacity(args.iters);
             for _ in 0..args.iters {
-                let bufs = template.clone();
+                let bufs = spare.take().unwrap_or_else(|| template.clone());
                 pg.barrier().wait(wait)?;
                 let t = Instant::now();
-                run_once(&pg, op, dtype, redop, count, bufs, false)?;
+                spare = run_once(&pg, op, dtype, redop, count, bufs, false)?.1;
                 times.push(t.elapsed().as_secs_f64());
             }
             times.sort_by(|a, b| a.total_cmp(b));
@@ -405,7 +413,7 @@ fn rank_main(args: Args, rank: usize) -> Result<()> {
                 .into_vec::<f64>()
                 .map_err(|_| anyhow::anyhow!("dtype"))?[0];
             let wrong = if args.check == 1 {
-                let wr = run_once(&pg, op, dtype, redop, count, template, true)?;
+                let wr = run_once(&pg, op, dtype, redop, count, template, true)?.0;
                 let all = pg
                     .all_reduce(Buffer::from(vec![wr as i64]), ReduceOp::Sum)
                     .wait(wait)?;

@@ -353,8 +353,11 @@ pub(crate) struct Mesh {
 /// The longest single poll, so an abort is seen even if no socket event wakes us.
 const POLL_SLICE: Duration = Duration::from_millis(50);
 
-/// How long a rank blocked on a shared-memory ring spins before it asks for a doorbell.
-const SHM_SPIN: Duration = Duration::from_micros(50);
+/// How long a rank blocked on a shared-memory ring keeps polling the ring before it asks for
+/// a doorbell and sleeps. Waking a sleeping thread costs tens of microseconds (more on an idle
+/// virtual machine), so a short wait is cheaper spent awake; the spin yields the CPU on every
+/// turn, so a peer sharing this core (more ranks than cores) runs instead.
+const SHM_SPIN: Duration = Duration::from_micros(500);
 
 fn kind_name(kind: u8) -> &'static str {
     super::algorithms::kind_name(kind)
@@ -695,7 +698,7 @@ impl Mesh {
                 // paying for doorbells and a poll.
                 let since = *spin_since.get_or_insert(now);
                 if now.duration_since(since) < SHM_SPIN && now < deadline {
-                    std::hint::spin_loop();
+                    std::thread::yield_now();
                     continue;
                 }
                 spin_since = None;
