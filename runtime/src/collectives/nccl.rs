@@ -7,7 +7,7 @@
 mod imp;
 
 #[cfg(feature = "nccl")]
-pub use imp::NcclBackend;
+pub use imp::{NcclBackend, NCCL_LIBRARY_ENV};
 
 #[cfg(not(feature = "nccl"))]
 mod disabled {
