@@ -324,7 +324,7 @@ mod tests {
             .join("libnccl.so.2")
             .to_string_lossy()
             .into_owned();
-        let err = load_first(&[missing.clone()]).err().unwrap();
+        let err = load_first(std::slice::from_ref(&missing)).err().unwrap();
         assert!(err.contains(&missing), "{err}");
         assert!(err.contains(NCCL_LIBRARY_ENV), "{err}");
     }

@@ -41,22 +41,19 @@ pub(crate) fn validate(op: &Collective, rank: usize, world: usize) -> Result<()>
         Collective::Broadcast { root, .. }
         | Collective::Reduce { root, .. }
         | Collective::Scatter { root, .. }
-        | Collective::Gather { root, .. } => {
-            if *root >= world {
-                return bad(format!("root {root} is not below world_size {world}"));
-            }
+        | Collective::Gather { root, .. }
+            if *root >= world =>
+        {
+            bad(format!("root {root} is not below world_size {world}"))
         }
-        Collective::Send { peer, .. } | Collective::Recv { peer, .. } => {
-            if *peer >= world {
-                return bad(format!("peer {peer} is not below world_size {world}"));
-            }
-            if *peer == rank {
-                return bad(format!("rank {rank} cannot {name} to or from itself"));
-            }
+        Collective::Send { peer, .. } | Collective::Recv { peer, .. } if *peer >= world => {
+            bad(format!("peer {peer} is not below world_size {world}"))
         }
-        _ => {}
+        Collective::Send { peer, .. } | Collective::Recv { peer, .. } if *peer == rank => {
+            bad(format!("rank {rank} cannot {name} to or from itself"))
+        }
+        _ => Ok(()),
     }
-    Ok(())
 }
 
 /// The ranks an op waits on, for timeout errors: the one peer of point-to-point and rooted
