@@ -292,7 +292,7 @@ impl Backend for NcclBackend {
 
 impl Drop for NcclBackend {
     /// Lets the worker finish what is queued, then finalise the communicator; waits a bounded
-    /// time ([`DROP_WAIT`]) and leaves the worker to finish on its own after that.
+    /// time (3 s) and leaves the worker to finish on its own after that.
     fn drop(&mut self) {
         self.shared.lock().closing = true;
         self.shared.changed.notify_all();
