@@ -1,0 +1,777 @@
+//! The progress engine: runs one operation's transfers over the mesh, all at once.
+//!
+//! An operation is a [`Plan`]: per peer, an outgoing lane of byte ranges to send and an
+//! incoming lane of byte ranges to receive, each range either copied in place or reduced into
+//! place through a one-chunk staging buffer. A send may depend on an incoming lane having
+//! processed a number of ranges, which is how ring and chain algorithms forward a chunk as soon
+//! as it arrived (and was reduced): sending, receiving and reducing overlap chunk by chunk, and
+//! both directions of a socket are used at once. One thread drives every lane with
+//! non-blocking I/O and `poll(2)`, which also watches every other peer's socket so that a dead
+//! rank is noticed even when the current operation does not talk to it.
+
+use std::net::TcpStream;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::bootstrap::PeerLinks;
+use super::link::{self, Io};
+use crate::buffer::Buffer;
+use crate::collectives::reduce::{combine, finish_avg, ReduceOp};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+
+/// Bytes of the header that opens every lane.
+pub(crate) const HEADER_LEN: usize = 32;
+const MAGIC: u32 = 0x524b_444c; // "RKDL"
+
+/// What an operation tells a peer about itself, so ranks that issued different operations
+/// (or sizes, dtypes, roots) fail with [`Error::Mismatch`] instead of exchanging garbage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Header {
+    pub kind: u8,
+    pub dtype: u8,
+    pub redop: u8,
+    pub algo: u8,
+    pub seq: u64,
+    pub nbytes: u64,
+    pub aux: u64,
+}
+
+impl Header {
+    fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+        b[4] = self.kind;
+        b[5] = self.dtype;
+        b[6] = self.redop;
+        b[7] = self.algo;
+        b[8..16].copy_from_slice(&self.seq.to_le_bytes());
+        b[16..24].copy_from_slice(&self.nbytes.to_le_bytes());
+        b[24..32].copy_from_slice(&self.aux.to_le_bytes());
+        b
+    }
+
+    fn decode(b: &[u8; HEADER_LEN]) -> Option<Header> {
+        let u64_at = |i: usize| {
+            let mut x = [0u8; 8];
+            x.copy_from_slice(&b[i..i + 8]);
+            u64::from_le_bytes(x)
+        };
+        let mut m = [0u8; 4];
+        m.copy_from_slice(&b[0..4]);
+        (u32::from_le_bytes(m) == MAGIC).then(|| Header {
+            kind: b[4],
+            dtype: b[5],
+            redop: b[6],
+            algo: b[7],
+            seq: u64_at(8),
+            nbytes: u64_at(16),
+            aux: u64_at(24),
+        })
+    }
+}
+
+/// What to do with a received range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// Receive straight into place.
+    Copy,
+    /// Receive into staging, then `dst = op(dst, staged)`.
+    Reduce,
+    /// As `Reduce`, then divide by the world size for `Avg`: the element's sum is complete.
+    ReduceFinish,
+}
+
+struct Region {
+    ptr: *mut u8,
+    len: usize,
+}
+
+struct SendItem {
+    region: usize,
+    start: usize,
+    len: usize,
+    /// The dependency lane must have processed at least this many items first.
+    after: usize,
+}
+
+struct RecvItem {
+    region: usize,
+    start: usize,
+    len: usize,
+    mode: Mode,
+}
+
+struct OutLane {
+    peer: usize,
+    dep: Option<usize>,
+    header: Header,
+    hdr: [u8; HEADER_LEN],
+    hdr_off: usize,
+    items: Vec<SendItem>,
+    cur: usize,
+    off: usize,
+}
+
+struct InLane {
+    peer: usize,
+    expect: Header,
+    hdr: [u8; HEADER_LEN],
+    hdr_off: usize,
+    items: Vec<RecvItem>,
+    cur: usize,
+    off: usize,
+    staging: Option<Buffer>,
+}
+
+/// The transfers of one operation. Regions are raw views of buffers the caller owns and keeps
+/// alive, unmoved and otherwise untouched, until [`Mesh::run`] returns.
+pub(crate) struct Plan {
+    /// True when every rank takes part (all but send/recv): any lost rank fails it.
+    group_wide: bool,
+    regions: Vec<Region>,
+    outs: Vec<OutLane>,
+    ins: Vec<InLane>,
+    dtype: DType,
+    op: ReduceOp,
+    world: usize,
+}
+
+impl Plan {
+    pub(crate) fn new(dtype: DType, op: ReduceOp, world: usize) -> Plan {
+        Plan {
+            group_wide: true,
+            regions: Vec::new(),
+            outs: Vec::new(),
+            ins: Vec::new(),
+            dtype,
+            op,
+            world,
+        }
+    }
+
+    /// Marks the plan as point-to-point: only its own peers' loss fails it.
+    pub(crate) fn point_to_point(&mut self) {
+        self.group_wide = false;
+    }
+
+    fn needs(&self, peer: usize) -> bool {
+        self.group_wide
+            || self.ins.iter().any(|l| l.peer == peer)
+            || self.outs.iter().any(|l| l.peer == peer)
+    }
+
+    /// Registers a buffer; the returned id names it in items.
+    pub(crate) fn region(&mut self, buf: &mut Buffer) -> usize {
+        let bytes = buf.as_bytes_mut();
+        self.regions.push(Region {
+            ptr: bytes.as_mut_ptr(),
+            len: bytes.len(),
+        });
+        self.regions.len() - 1
+    }
+
+    pub(crate) fn out_lane(&mut self, peer: usize, dep: Option<usize>, header: Header) -> usize {
+        self.outs.push(OutLane {
+            peer,
+            dep,
+            header,
+            hdr: [0; HEADER_LEN],
+            hdr_off: 0,
+            items: Vec::new(),
+            cur: 0,
+            off: 0,
+        });
+        self.outs.len() - 1
+    }
+
+    pub(crate) fn in_lane(&mut self, peer: usize, expect: Header) -> usize {
+        self.ins.push(InLane {
+            peer,
+            expect,
+            hdr: [0; HEADER_LEN],
+            hdr_off: 0,
+            items: Vec::new(),
+            cur: 0,
+            off: 0,
+            staging: None,
+        });
+        self.ins.len() - 1
+    }
+
+    /// Queues `len` bytes at `start` of `region` on an outgoing lane, to be sent once the
+    /// lane's dependency has processed `after` items.
+    pub(crate) fn send(&mut self, lane: usize, region: usize, start: usize, len: usize, after: usize) {
+        debug_assert!(start + len <= self.regions[region].len);
+        if len > 0 {
+            self.outs[lane].items.push(SendItem {
+                region,
+                start,
+                len,
+                after,
+            });
+        }
+    }
+
+    /// Queues `len` bytes at `start` of `region` on an incoming lane.
+    pub(crate) fn recv(&mut self, lane: usize, region: usize, start: usize, len: usize, mode: Mode) {
+        debug_assert!(start + len <= self.regions[region].len);
+        if len > 0 {
+            self.ins[lane].items.push(RecvItem {
+                region,
+                start,
+                len,
+                mode,
+            });
+        }
+    }
+
+    /// Number of items queued on an incoming lane so far.
+    pub(crate) fn recv_count(&self, lane: usize) -> usize {
+        self.ins[lane].items.len()
+    }
+
+    fn check_bounds(&self) -> bool {
+        let ok = |region: usize, start: usize, len: usize| {
+            self.regions
+                .get(region)
+                .is_some_and(|r| start.checked_add(len).is_some_and(|end| end <= r.len))
+        };
+        self.outs
+            .iter()
+            .all(|l| l.items.iter().all(|i| ok(i.region, i.start, i.len)))
+            && self
+                .ins
+                .iter()
+                .all(|l| l.items.iter().all(|i| ok(i.region, i.start, i.len)))
+    }
+}
+
+/// What this rank knows of a peer's liveness, from the control connection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum PeerState {
+    Alive,
+    /// Said goodbye: it dropped its group in an orderly way.
+    Departed,
+    /// Its control connection closed without a goodbye: the process died or aborted.
+    Dead(String),
+}
+
+/// Control messages: a kind byte, a rank (u32 LE) and a cause byte.
+const CTRL_LEN: usize = 6;
+const CTRL_GOODBYE: u8 = 1;
+const CTRL_ABORT: u8 = 2;
+
+/// Why a rank gave up on an operation, as told to its peers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Cause {
+    Lost = 1,
+    Timeout = 2,
+    Mismatch = 3,
+    Other = 4,
+}
+
+impl Cause {
+    fn describe(code: u8) -> &'static str {
+        match code {
+            1 => "lost",
+            2 => "timed out",
+            3 => "out of step",
+            _ => "failed",
+        }
+    }
+}
+
+struct Peer {
+    data: TcpStream,
+    ctrl: TcpStream,
+    state: PeerState,
+    ctrl_buf: [u8; CTRL_LEN],
+    ctrl_off: usize,
+}
+
+/// The connected peers of one rank, with per-direction sequence numbers.
+pub(crate) struct Mesh {
+    pub rank: usize,
+    pub world: usize,
+    links: Vec<Option<Peer>>,
+    send_seq: Vec<u64>,
+    recv_seq: Vec<u64>,
+    aborted: Arc<AtomicBool>,
+    /// A failure another rank reported: (reporter, lost rank or None, cause code).
+    notice: Option<(usize, Option<usize>, u8)>,
+}
+
+/// The longest single poll, so an abort is seen even if no socket event wakes us.
+const POLL_SLICE: Duration = Duration::from_millis(50);
+
+fn kind_name(kind: u8) -> &'static str {
+    super::algorithms::kind_name(kind)
+}
+
+fn describe(h: &Header) -> String {
+    format!(
+        "{} (algo {}, dtype code {}, op code {}) of {} bytes, aux {}, seq {}",
+        kind_name(h.kind),
+        h.algo,
+        h.dtype,
+        h.redop,
+        h.nbytes,
+        h.aux,
+        h.seq
+    )
+}
+
+impl Mesh {
+    pub(crate) fn new(
+        rank: usize,
+        world: usize,
+        links: Vec<Option<PeerLinks>>,
+        aborted: Arc<AtomicBool>,
+    ) -> Mesh {
+        let links = links
+            .into_iter()
+            .map(|l| {
+                l.map(|l| Peer {
+                    data: l.data,
+                    ctrl: l.ctrl,
+                    state: PeerState::Alive,
+                    ctrl_buf: [0; CTRL_LEN],
+                    ctrl_off: 0,
+                })
+            })
+            .collect();
+        Mesh {
+            rank,
+            world,
+            links,
+            send_seq: vec![0; world],
+            recv_seq: vec![0; world],
+            aborted,
+            notice: None,
+        }
+    }
+
+    /// Reads whatever control messages have arrived, without blocking.
+    fn read_control(&mut self) {
+        for (p, peer) in self.links.iter_mut().enumerate() {
+            let Some(peer) = peer else { continue };
+            loop {
+                if matches!(peer.state, PeerState::Dead(_)) {
+                    break;
+                }
+                let fd = peer.ctrl.as_raw_fd();
+                match link::recv(fd, &mut peer.ctrl_buf[peer.ctrl_off..]) {
+                    Io::Done(n) => {
+                        peer.ctrl_off += n;
+                        if peer.ctrl_off < CTRL_LEN {
+                            continue;
+                        }
+                        peer.ctrl_off = 0;
+                        let b = peer.ctrl_buf;
+                        match b[0] {
+                            CTRL_GOODBYE => peer.state = PeerState::Departed,
+                            CTRL_ABORT => {
+                                let lost = u32::from_le_bytes([b[1], b[2], b[3], b[4]]);
+                                let lost = (lost != u32::MAX).then_some(lost as usize);
+                                if self.notice.is_none() {
+                                    self.notice = Some((p, lost, b[5]));
+                                }
+                            }
+                            _ => {
+                                peer.state =
+                                    PeerState::Dead("sent an unknown control message".into())
+                            }
+                        }
+                    }
+                    Io::Blocked => break,
+                    Io::Closed => {
+                        if peer.state != PeerState::Departed {
+                            peer.state = PeerState::Dead("its process exited or aborted".into());
+                        }
+                        break;
+                    }
+                    Io::Failed(e) => {
+                        if peer.state != PeerState::Departed {
+                            peer.state = PeerState::Dead(e.to_string());
+                        }
+                        break;
+                    }
+                }
+            }
+        }
+    }
+
+    /// The error that must end `plan` now, given what the control connections said.
+    fn liveness_error(&self, plan: &Plan, op: &'static str) -> Option<Error> {
+        if let Some((reporter, lost, cause)) = self.notice {
+            let what = Cause::describe(cause);
+            if cause == Cause::Mismatch as u8 {
+                return Some(Error::Mismatch {
+                    rank: self.rank,
+                    peer: reporter,
+                    op,
+                    reason: format!("rank {reporter} found the ranks' operations out of step"),
+                });
+            }
+            return Some(match lost {
+                Some(peer) => self.lost(peer, op, format!("rank {reporter} reports rank {peer} {what}")),
+                None => self.lost(reporter, op, format!("rank {reporter} {what}")),
+            });
+        }
+        self.links.iter().enumerate().find_map(|(p, peer)| match peer {
+            Some(Peer {
+                state: PeerState::Dead(reason),
+                ..
+            }) if plan.needs(p) => Some(self.lost(p, op, reason.clone())),
+            _ => None,
+        })
+    }
+
+    fn send_control(&mut self, msg: [u8; CTRL_LEN]) {
+        for peer in self.links.iter_mut().flatten() {
+            if peer.state != PeerState::Alive {
+                continue;
+            }
+            // Control messages are tiny and rare, so a non-blocking send of 6 bytes only fails
+            // if the peer is gone, which it will notice on its own.
+            let _ = link::send(peer.ctrl.as_raw_fd(), &msg);
+        }
+    }
+
+    /// Tells every peer that this rank gave up on its operation because of `lost`.
+    pub(crate) fn notify_failure(&mut self, lost: Option<usize>, cause: Cause) {
+        if self.notice.is_some() {
+            return; // the failure came from another rank's notice: it already told everyone
+        }
+        let mut msg = [0u8; CTRL_LEN];
+        msg[0] = CTRL_ABORT;
+        msg[1..5].copy_from_slice(&lost.map_or(u32::MAX, |p| p as u32).to_le_bytes());
+        msg[5] = cause as u8;
+        self.send_control(msg);
+    }
+
+    /// Says goodbye to every peer and closes the connections (an orderly leave).
+    pub(crate) fn goodbye(mut self) {
+        let mut msg = [0u8; CTRL_LEN];
+        msg[0] = CTRL_GOODBYE;
+        self.send_control(msg);
+        for peer in self.links.iter().flatten() {
+            let _ = peer.ctrl.shutdown(std::net::Shutdown::Write);
+            let _ = peer.data.shutdown(std::net::Shutdown::Write);
+        }
+    }
+
+    fn lost(&self, peer: usize, op: &'static str, reason: impl Into<String>) -> Error {
+        Error::PeerLost {
+            rank: self.rank,
+            peer,
+            op,
+            reason: reason.into(),
+        }
+    }
+
+    /// Runs every transfer of `plan` to completion, or fails at the first lost peer, mismatch,
+    /// abort, or at `deadline`.
+    pub(crate) fn run(&mut self, plan: &mut Plan, op: &'static str, deadline: Instant) -> Result<()> {
+        if !plan.check_bounds() {
+            return Err(Error::InvalidArgument {
+                op,
+                reason: "internal plan out of bounds".into(),
+            });
+        }
+        for l in &mut plan.outs {
+            l.header.seq = self.send_seq[l.peer];
+            self.send_seq[l.peer] += 1;
+            l.hdr = l.header.encode();
+        }
+        let max_reduce_len = |l: &InLane| {
+            l.items
+                .iter()
+                .filter(|i| i.mode != Mode::Copy)
+                .map(|i| i.len)
+                .max()
+        };
+        for l in &mut plan.ins {
+            l.expect.seq = self.recv_seq[l.peer];
+            self.recv_seq[l.peer] += 1;
+            if let Some(bytes) = max_reduce_len(l) {
+                let w = plan.dtype.size_in_bytes();
+                l.staging = Some(Buffer::zeros(plan.dtype, bytes.div_ceil(w)));
+            }
+        }
+        let start = Instant::now();
+        let mut fds: Vec<libc::pollfd> = Vec::with_capacity(2 * self.world);
+        self.read_control();
+        if let Some(e) = self.liveness_error(plan, op) {
+            return Err(e);
+        }
+        loop {
+            if self.aborted.load(Ordering::Acquire) {
+                return Err(Error::Aborted { rank: self.rank });
+            }
+            let mut progressed = false;
+            let mut want_read = vec![false; self.world];
+            let mut want_write = vec![false; self.world];
+            for l in plan.ins.iter_mut() {
+                progressed |= self.pump_in(l, &plan.regions, plan.dtype, plan.op, plan.world, op, &mut want_read)?;
+            }
+            let in_done: Vec<usize> = plan.ins.iter().map(|l| l.cur).collect();
+            for l in plan.outs.iter_mut() {
+                progressed |= self.pump_out(l, &plan.regions, &in_done, op, &mut want_write)?;
+            }
+            let finished = plan.ins.iter().all(|l| l.hdr_off == HEADER_LEN && l.cur == l.items.len())
+                && plan.outs.iter().all(|l| l.hdr_off == HEADER_LEN && l.cur == l.items.len());
+            if finished {
+                return Ok(());
+            }
+            if progressed {
+                continue;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let mut waiting_on: Vec<usize> = plan
+                    .ins
+                    .iter()
+                    .filter(|l| l.hdr_off < HEADER_LEN || l.cur < l.items.len())
+                    .map(|l| l.peer)
+                    .chain(
+                        plan.outs
+                            .iter()
+                            .filter(|l| l.hdr_off < HEADER_LEN || l.cur < l.items.len())
+                            .map(|l| l.peer),
+                    )
+                    .collect();
+                waiting_on.sort_unstable();
+                waiting_on.dedup();
+                return Err(Error::Timeout {
+                    rank: self.rank,
+                    op,
+                    elapsed: now - start,
+                    waiting_on,
+                });
+            }
+            // Data sockets are polled for what the lanes wait on; control sockets always, for
+            // goodbyes, failure notices and the close of a dead peer. A data socket's hang-up
+            // alone proves nothing: a peer that finished and left closes it too.
+            fds.clear();
+            for (p, peer) in self.links.iter().enumerate() {
+                let Some(peer) = peer else { continue };
+                let mut events = 0;
+                if want_read[p] {
+                    events |= libc::POLLIN;
+                }
+                if want_write[p] {
+                    events |= libc::POLLOUT;
+                }
+                if events != 0 {
+                    fds.push(libc::pollfd {
+                        fd: peer.data.as_raw_fd(),
+                        events,
+                        revents: 0,
+                    });
+                }
+                if !matches!(peer.state, PeerState::Dead(_)) {
+                    fds.push(libc::pollfd {
+                        fd: peer.ctrl.as_raw_fd(),
+                        events: libc::POLLIN,
+                        revents: 0,
+                    });
+                }
+            }
+            if !link::poll(&mut fds, (deadline - now).min(POLL_SLICE)) {
+                return Err(Error::io(
+                    format!("rank {}: poll during {op}", self.rank),
+                    &std::io::Error::last_os_error(),
+                ));
+            }
+            self.read_control();
+            if let Some(e) = self.liveness_error(plan, op) {
+                return Err(e);
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn pump_in(
+        &self,
+        l: &mut InLane,
+        regions: &[Region],
+        dtype: DType,
+        rop: ReduceOp,
+        world: usize,
+        op: &'static str,
+        want_read: &mut [bool],
+    ) -> Result<bool> {
+        let Some(peer) = &self.links[l.peer] else {
+            return Err(self.lost(l.peer, op, "no connection"));
+        };
+        let fd = peer.data.as_raw_fd();
+        let mut progressed = false;
+        loop {
+            if l.hdr_off < HEADER_LEN {
+                match link::recv(fd, &mut l.hdr[l.hdr_off..]) {
+                    Io::Done(n) => {
+                        l.hdr_off += n;
+                        progressed = true;
+                        if l.hdr_off == HEADER_LEN {
+                            self.check_header(l, op)?;
+                        }
+                        continue;
+                    }
+                    other => return self.blocked_in(other, l.peer, op, want_read, progressed),
+                }
+            }
+            let Some(item) = l.items.get(l.cur) else {
+                return Ok(progressed);
+            };
+            let region = &regions[item.region];
+            let got = if item.mode == Mode::Copy {
+                // SAFETY: the plan's bounds were checked; the region's buffer outlives `run`
+                // and no other view of these bytes exists during this call.
+                let dst = unsafe {
+                    std::slice::from_raw_parts_mut(
+                        region.ptr.add(item.start + l.off),
+                        item.len - l.off,
+                    )
+                };
+                link::recv(fd, dst)
+            } else {
+                let staging = match l.staging.as_mut() {
+                    Some(s) => s.as_bytes_mut(),
+                    None => return Err(self.lost(l.peer, op, "internal: no staging buffer")),
+                };
+                link::recv(fd, &mut staging[l.off..item.len])
+            };
+            match got {
+                Io::Done(n) => {
+                    progressed = true;
+                    l.off += n;
+                    if l.off == item.len {
+                        if item.mode != Mode::Copy {
+                            // SAFETY: as above; the staging buffer is a different allocation.
+                            let dst = unsafe {
+                                std::slice::from_raw_parts_mut(region.ptr.add(item.start), item.len)
+                            };
+                            if let Some(s) = l.staging.as_ref() {
+                                combine(rop, dtype, dst, &s.as_bytes()[..item.len]);
+                            }
+                            if item.mode == Mode::ReduceFinish {
+                                finish_avg(rop, dtype, dst, world);
+                            }
+                        }
+                        l.cur += 1;
+                        l.off = 0;
+                    }
+                }
+                other => return self.blocked_in(other, l.peer, op, want_read, progressed),
+            }
+        }
+    }
+
+    fn blocked_in(
+        &self,
+        io: Io,
+        peer: usize,
+        op: &'static str,
+        want_read: &mut [bool],
+        progressed: bool,
+    ) -> Result<bool> {
+        match io {
+            Io::Blocked => {
+                want_read[peer] = true;
+                Ok(progressed)
+            }
+            Io::Closed => {
+                let departed = matches!(
+                    self.links[peer].as_ref().map(|p| &p.state),
+                    Some(PeerState::Departed)
+                );
+                let reason = if departed {
+                    "it left the group before sending this operation's data"
+                } else {
+                    "connection closed (EOF)"
+                };
+                Err(self.lost(peer, op, reason))
+            }
+            Io::Failed(e) => Err(self.lost(peer, op, e.to_string())),
+            Io::Done(_) => Ok(true),
+        }
+    }
+
+    fn check_header(&self, l: &InLane, op: &'static str) -> Result<()> {
+        let mismatch = |reason: String| Error::Mismatch {
+            rank: self.rank,
+            peer: l.peer,
+            op,
+            reason,
+        };
+        let Some(got) = Header::decode(&l.hdr) else {
+            return Err(mismatch("the peer sent bytes that are not a rekindle header".into()));
+        };
+        if got != l.expect {
+            return Err(mismatch(format!(
+                "expected {}, the peer sent {}",
+                describe(&l.expect),
+                describe(&got)
+            )));
+        }
+        Ok(())
+    }
+
+    fn pump_out(
+        &self,
+        l: &mut OutLane,
+        regions: &[Region],
+        in_done: &[usize],
+        op: &'static str,
+        want_write: &mut [bool],
+    ) -> Result<bool> {
+        let Some(peer) = &self.links[l.peer] else {
+            return Err(self.lost(l.peer, op, "no connection"));
+        };
+        let fd = peer.data.as_raw_fd();
+        let mut progressed = false;
+        loop {
+            let io = if l.hdr_off < HEADER_LEN {
+                link::send(fd, &l.hdr[l.hdr_off..])
+            } else {
+                let Some(item) = l.items.get(l.cur) else {
+                    return Ok(progressed);
+                };
+                if l.dep.is_some_and(|d| in_done[d] < item.after) {
+                    return Ok(progressed);
+                }
+                let region = &regions[item.region];
+                // SAFETY: bounds checked; the bytes were completely received or are input
+                // that nothing writes during the operation.
+                let src = unsafe {
+                    std::slice::from_raw_parts(region.ptr.add(item.start + l.off), item.len - l.off)
+                };
+                link::send(fd, src)
+            };
+            match io {
+                Io::Done(n) => {
+                    progressed = true;
+                    if l.hdr_off < HEADER_LEN {
+                        l.hdr_off += n;
+                    } else {
+                        l.off += n;
+                        if l.off == l.items[l.cur].len {
+                            l.cur += 1;
+                            l.off = 0;
+                        }
+                    }
+                }
+                Io::Blocked => {
+                    want_write[l.peer] = true;
+                    return Ok(progressed);
+                }
+                Io::Closed => return Err(self.lost(l.peer, op, "connection closed")),
+                Io::Failed(e) => return Err(self.lost(l.peer, op, e.to_string())),
+            }
+        }
+    }
+}
