@@ -395,7 +395,8 @@ impl Exec {
                     self.finish(b)?;
                     self.download(out.as_bytes_mut(), dev, b)?;
                 }
-                out.copy_from(rank * n, &buf);
+                out.as_bytes_mut()[rank * piece..(rank + 1) * piece]
+                    .copy_from_slice(buf.as_bytes());
                 Ok(out)
             }
             Collective::AllToAll { buf } => {
