@@ -30,16 +30,16 @@ mod cuda;
 mod library;
 mod ops;
 mod plan;
+mod queue;
 
-use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::atomic::AtomicBool;
+use std::sync::{mpsc, Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use cudarc::nccl::sys::ncclUniqueId;
 
-use crate::collectives::{Backend, Collective, Work, WorkSender};
+use crate::collectives::{Backend, Collective, Work};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::process_group::GroupConfig;
@@ -48,6 +48,7 @@ use comm::{Comm, Stop};
 use cuda::Gpu;
 use library::{NcclLib, SUCCESS};
 use ops::Exec;
+use queue::Queue;
 
 pub use library::NCCL_LIBRARY_ENV;
 
@@ -71,7 +72,7 @@ const UNIQUE_ID_KEY: &str = "nccl/unique_id";
 pub struct NcclBackend {
     rank: usize,
     world: usize,
-    shared: Arc<Shared>,
+    queue: Arc<Queue>,
     worker: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -80,69 +81,8 @@ impl std::fmt::Debug for NcclBackend {
         f.debug_struct("NcclBackend")
             .field("rank", &self.rank)
             .field("world", &self.world)
-            .field("error", &self.shared.lock().error)
+            .field("error", &self.queue.error())
             .finish_non_exhaustive()
-    }
-}
-
-/// State shared by the handle and the worker.
-struct Shared {
-    rank: usize,
-    /// Raised by `abort` and `drop`; every wait of the worker checks it.
-    abort: AtomicBool,
-    state: Mutex<State>,
-    /// Signals queue changes (to the worker) and the end of the worker (to `abort`/`drop`).
-    changed: Condvar,
-}
-
-struct State {
-    queue: VecDeque<(Collective, WorkSender)>,
-    /// The first failure (or `Aborted`); set once, never cleared.
-    error: Option<Error>,
-    /// No more ops will be accepted; the worker drains the queue and shuts down.
-    closing: bool,
-    /// The worker released the communicator and is exiting.
-    finished: bool,
-}
-
-impl Shared {
-    fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// The error later ops get once the group failed with `first`.
-    fn broken(&self, first: &Error) -> Error {
-        match first {
-            Error::Aborted { rank } => Error::Aborted { rank: *rank },
-            e => Error::GroupBroken {
-                rank: self.rank,
-                cause: Box::new(e.clone()),
-            },
-        }
-    }
-
-    /// Records the first failure and fails every queued op.
-    fn fail(&self, error: Error) {
-        let (queued, first) = {
-            let mut st = self.lock();
-            let first = st.error.get_or_insert(error).clone();
-            let queued: Vec<_> = st.queue.drain(..).collect();
-            (queued, first)
-        };
-        for (_, tx) in queued {
-            tx.complete(Err(self.broken(&first)));
-        }
-        self.changed.notify_all();
-    }
-
-    /// Waits until the worker finished, at most `bound`; true if it did.
-    fn wait_finished(&self, bound: Duration) -> bool {
-        let st = self.lock();
-        let (st, _) = self
-            .changed
-            .wait_timeout_while(st, bound, |st| !st.finished)
-            .unwrap_or_else(PoisonError::into_inner);
-        st.finished
     }
 }
 
@@ -170,24 +110,14 @@ impl NcclBackend {
         cuda::probe(ordinal)?;
         let lib = library::nccl().map_err(|message| Error::Nccl { rank, message })?;
 
-        let shared = Arc::new(Shared {
-            rank,
-            abort: AtomicBool::new(false),
-            state: Mutex::new(State {
-                queue: VecDeque::new(),
-                error: None,
-                closing: false,
-                finished: false,
-            }),
-            changed: Condvar::new(),
-        });
+        let queue = Arc::new(Queue::new(rank));
         let (ready_tx, ready_rx) = mpsc::sync_channel(1);
         let wait_for_init = config.bootstrap_timeout + INIT_SLACK;
         let (prefix, world) = (config.prefix(), config.world_size);
-        let worker_shared = shared.clone();
+        let worker_queue = queue.clone();
         let worker = std::thread::Builder::new()
             .name(format!("rekindle-nccl-{rank}"))
-            .spawn(move || worker_main(worker_shared, config, ordinal, lib, ready_tx))
+            .spawn(move || worker_main(worker_queue, config, ordinal, lib, ready_tx))
             .map_err(|e| Error::io("spawning the NCCL worker thread", &e))?;
 
         match ready_rx.recv_timeout(wait_for_init) {
@@ -203,7 +133,7 @@ impl NcclBackend {
                 Ok(NcclBackend {
                     rank,
                     world,
-                    shared,
+                    queue,
                     worker: Mutex::new(Some(worker)),
                 })
             }
@@ -213,7 +143,7 @@ impl NcclBackend {
                 Err(e)
             }
             Err(mpsc::RecvTimeoutError::Timeout) => {
-                shared.abort.store(true, Ordering::Release);
+                queue.raise_abort();
                 Err(Error::Bootstrap {
                     rank,
                     prefix,
@@ -253,31 +183,14 @@ impl Backend for NcclBackend {
     }
 
     fn submit(&self, op: Collective) -> Work {
-        let name = op.name();
-        if let Err(e) = plan::validate(&op, self.rank, self.world) {
-            return Work::ready(name, self.rank, Err(e));
+        match plan::validate(&op, self.rank, self.world) {
+            Ok(()) => self.queue.submit(op),
+            Err(e) => Work::ready(op.name(), self.rank, Err(e)),
         }
-        let (work, tx) = Work::pending(name, self.rank);
-        let mut st = self.shared.lock();
-        if let Some(first) = &st.error {
-            let err = self.shared.broken(first);
-            drop(st);
-            tx.complete(Err(err));
-        } else if st.closing {
-            drop(st);
-            tx.complete(Err(Error::Aborted { rank: self.rank }));
-        } else {
-            st.queue.push_back((op, tx));
-            drop(st);
-            self.shared.changed.notify_all();
-        }
-        work
     }
 
     fn abort(&self) {
-        self.shared.abort.store(true, Ordering::Release);
-        self.shared.fail(Error::Aborted { rank: self.rank });
-        if !self.shared.wait_finished(ABORT_WAIT) {
+        if !self.queue.abort(ABORT_WAIT) {
             tracing::warn!(
                 rank = self.rank,
                 "NCCL communicator still aborting after {ABORT_WAIT:?}; continuing"
@@ -286,7 +199,7 @@ impl Backend for NcclBackend {
     }
 
     fn error(&self) -> Option<Error> {
-        self.shared.lock().error.clone()
+        self.queue.error()
     }
 }
 
@@ -294,9 +207,8 @@ impl Drop for NcclBackend {
     /// Lets the worker finish what is queued, then finalise the communicator; waits a bounded
     /// time (3 s) and leaves the worker to finish on its own after that.
     fn drop(&mut self) {
-        self.shared.lock().closing = true;
-        self.shared.changed.notify_all();
-        let finished = self.shared.wait_finished(DROP_WAIT);
+        self.queue.close();
+        let finished = self.queue.wait_finished(DROP_WAIT);
         let handle = self
             .worker
             .get_mut()
@@ -307,7 +219,7 @@ impl Drop for NcclBackend {
                 let _ = handle.join();
             } else {
                 // Abort what is left rather than run it on behalf of nobody.
-                self.shared.abort.store(true, Ordering::Release);
+                self.queue.raise_abort();
             }
         }
     }
@@ -316,14 +228,14 @@ impl Drop for NcclBackend {
 /// The worker: initialise, run the queue, shut down. Reports the outcome of initialisation on
 /// `ready`, after releasing everything if it failed.
 fn worker_main(
-    shared: Arc<Shared>,
+    queue: Arc<Queue>,
     config: GroupConfig,
     ordinal: usize,
     lib: &'static NcclLib,
     ready: mpsc::SyncSender<Result<()>>,
 ) {
     let rank = config.rank;
-    let body = std::panic::AssertUnwindSafe(|| run_worker(&shared, &config, ordinal, lib, &ready));
+    let body = std::panic::AssertUnwindSafe(|| run_worker(&queue, &config, ordinal, lib, &ready));
     if let Err(panic) = std::panic::catch_unwind(body) {
         let what = panic
             .downcast_ref::<String>()
@@ -335,14 +247,13 @@ fn worker_main(
             message: format!("the NCCL worker thread failed: {what}"),
         };
         let _ = ready.try_send(Err(error.clone()));
-        shared.fail(error);
+        queue.fail(error);
     }
-    shared.lock().finished = true;
-    shared.changed.notify_all();
+    queue.set_finished();
 }
 
 fn run_worker(
-    shared: &Shared,
+    queue: &Queue,
     config: &GroupConfig,
     ordinal: usize,
     lib: &'static NcclLib,
@@ -358,8 +269,15 @@ fn run_worker(
         }
     };
     let comm = unique_id(config, lib, deadline).and_then(|id| {
-        Comm::init(lib, id, config.world_size, rank, deadline, &shared.abort)
-            .map_err(|stop| init_error(config, stop))
+        Comm::init(
+            lib,
+            id,
+            config.world_size,
+            rank,
+            deadline,
+            queue.abort_flag(),
+        )
+        .map_err(|stop| init_error(config, stop))
     });
     let comm = match comm {
         Ok(comm) => comm,
@@ -378,60 +296,20 @@ fn run_worker(
     };
     if ready.send(Ok(())).is_err() {
         // `new` gave up waiting: nobody will use this communicator.
-        shared.abort.store(true, Ordering::Release);
+        queue.raise_abort();
     }
 
-    let healthy = run_queue(shared, &mut exec);
+    let healthy = queue.run(&mut exec);
 
     let Exec { gpu, mut comm, .. } = exec;
     let idle = if healthy {
-        comm.shutdown(FINALIZE_GRACE, &shared.abort);
+        comm.shutdown(FINALIZE_GRACE, queue.abort_flag());
         gpu.stream_done().unwrap_or(false)
     } else {
         comm.abort();
         drained(&gpu)
     };
     gpu.release(idle);
-}
-
-/// Runs queued ops in order until the queue is closed and empty (true: the communicator is
-/// healthy) or an op fails or the backend is aborted (false).
-fn run_queue(shared: &Shared, exec: &mut Exec) -> bool {
-    loop {
-        let next = {
-            let mut st = shared.lock();
-            loop {
-                if shared.abort.load(Ordering::Acquire) || st.error.is_some() {
-                    break None;
-                }
-                if let Some(item) = st.queue.pop_front() {
-                    break Some(item);
-                }
-                if st.closing {
-                    return true;
-                }
-                st = shared
-                    .changed
-                    .wait(st)
-                    .unwrap_or_else(PoisonError::into_inner);
-            }
-        };
-        let Some((op, tx)) = next else {
-            shared.fail(Error::Aborted { rank: exec.rank });
-            return false;
-        };
-        let name = op.name();
-        match exec.execute(op, &shared.abort) {
-            Ok(buf) => tx.complete(Ok(buf)),
-            Err(e) => {
-                tracing::warn!(rank = exec.rank, op = name, "NCCL op failed: {e}");
-                // The op's own caller sees the failure first; queued ops see it as the cause.
-                tx.complete(Err(e.clone()));
-                shared.fail(e);
-                return false;
-            }
-        }
-    }
 }
 
 /// Waits briefly for the stream to become idle after an abort; false if it did not.

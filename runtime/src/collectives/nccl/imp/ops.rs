@@ -19,6 +19,7 @@ use super::comm::{poll_until, Comm, Stop};
 use super::cuda::{Gpu, Slot};
 use super::library::{NcclLib, Status, REMOTE_ERROR, SYSTEM_ERROR};
 use super::plan::{self, nccl_dtype, nccl_op};
+use super::queue::Execute;
 use crate::buffer::Buffer;
 use crate::collectives::{segment, Collective};
 use crate::error::Error;
@@ -52,10 +53,10 @@ fn slice(buf: &Buffer, range: std::ops::Range<usize>) -> Buffer {
     out
 }
 
-impl Exec {
+impl Execute for Exec {
     /// Runs `op` within the op deadline, watching `abort`. Errors name this rank, the op and,
     /// where the op has a single peer, that peer.
-    pub fn execute(&mut self, op: Collective, abort: &AtomicBool) -> Result<Buffer, Error> {
+    fn execute(&mut self, op: Collective, abort: &AtomicBool) -> Result<Buffer, Error> {
         let (rank, name) = (self.rank, op.name());
         let waiting_on = plan::waiting_on(&op, rank, self.world);
         let peer = plan::single_peer(&op, rank);
@@ -87,7 +88,9 @@ impl Exec {
             },
         })
     }
+}
 
+impl Exec {
     fn lib(&self) -> &'static NcclLib {
         self.comm.lib()
     }
