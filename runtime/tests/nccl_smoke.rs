@@ -162,7 +162,7 @@ fn abort_fails_everything_fast_and_the_next_round_builds() {
     )
     .unwrap();
     let queued: Vec<_> = (0..32)
-        .map(|_| pg.all_reduce(Buffer::zeros(DType::F32, 1 << 22), ReduceOp::Sum))
+        .map(|_| pg.all_reduce(Buffer::zeros(DType::F32, 1 << 20), ReduceOp::Sum))
         .collect();
     let started = Instant::now();
     pg.abort();

@@ -2,9 +2,10 @@
 //!
 //! # Design
 //! - **One worker thread** owns the CUDA context, the stream, the device scratch memory and the
-//!   NCCL communicator (none of which may move between threads freely: cudarc's `Comm` is not
-//!   `Send`, and the context must be current where NCCL is called). It executes the op queue in
-//!   issue order, one op at a time, like a NCCL stream.
+//!   NCCL communicator: a communicator must not be used from two threads at once, NCCL and the
+//!   copies need the context current on the calling thread, and `ncclCommAbort` is called
+//!   there too. The thread executes the op queue in issue order, one op at a time, like a NCCL
+//!   stream, and never blocks on a peer, so an abort reaches it within one poll.
 //! - **Host buffers are staged** through device memory on that stream: upload, the NCCL call(s),
 //!   poll until done, download. This is what a host-buffer API costs on GPUs; a device-tensor API
 //!   would skip both copies.
