@@ -70,6 +70,23 @@ fn assert_values(got: &Buffer, dtype: DType, len: usize, f: impl Fn(usize) -> f6
 }
 
 #[test]
+fn without_a_gpu_forming_a_group_is_a_typed_error() {
+    if cuda_device_count() > 0 {
+        eprintln!("skipped: this machine has a CUDA device");
+        return;
+    }
+    let store = Arc::new(InMemoryStore::new());
+    let started = Instant::now();
+    let err = ProcessGroup::nccl(config("nccl-smoke-nogpu", 0, 0, 1, store), Device::Cuda(0))
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::CudaUnavailable { ordinal: 0, .. }),
+        "{err}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(5));
+}
+
+#[test]
 fn single_rank_ops_give_closed_form_results() {
     if gpus().is_none() {
         return;
