@@ -312,3 +312,71 @@ fn bad_arguments_are_rejected_and_leave_the_group_usable() {
         assert_eq!(got.into_vec::<i32>().unwrap(), vec![4]);
     });
 }
+
+#[test]
+fn into_variants_write_the_callers_buffers_and_check_their_shape() {
+    run_ranks("into", 3, many_chunks(), |rank, pg| {
+        let mine = Buffer::from_fn(DType::I32, 5, |i| value(rank, i));
+        let out = Buffer::from_fn(DType::I32, 15, |_| -1.0);
+        let got = pg.all_gather_into(mine.clone(), out).wait(WAIT).unwrap();
+        assert_bits(
+            "all_gather_into",
+            &got,
+            &Buffer::from_fn(DType::I32, 15, |k| value(k / 5, k % 5)),
+        );
+        let seg = segment(5, 3, rank);
+        let got = pg
+            .reduce_scatter_into(
+                mine.clone(),
+                ReduceOp::Max,
+                Buffer::zeros(DType::I32, seg.len()),
+            )
+            .wait(WAIT)
+            .unwrap();
+        let want = Buffer::from_fn(DType::I32, seg.len(), |t| {
+            (0..3).map(|r| value(r, seg.start + t)).fold(0.0, f64::max)
+        });
+        assert_bits("reduce_scatter_into", &got, &want);
+        let got = pg
+            .all_to_all_into(mine.clone(), Buffer::zeros(DType::I32, 3 * seg.len()))
+            .wait(WAIT)
+            .unwrap();
+        let b = seg.len();
+        assert_bits(
+            "all_to_all_into",
+            &got,
+            &Buffer::from_fn(DType::I32, 3 * b, |k| value(k / b, seg.start + k % b)),
+        );
+        let out = if rank == 1 {
+            Buffer::zeros(DType::I32, 15)
+        } else {
+            Buffer::zeros(DType::I32, 0)
+        };
+        let got = pg.gather_into(mine.clone(), 1, out).wait(WAIT).unwrap();
+        if rank == 1 {
+            assert_bits(
+                "gather_into",
+                &got,
+                &Buffer::from_fn(DType::I32, 15, |k| value(k / 5, k % 5)),
+            );
+        }
+        // A wrong shape is an argument error found before anything is sent.
+        let e = pg
+            .all_gather_into(mine.clone(), Buffer::zeros(DType::I32, 14))
+            .wait(WAIT)
+            .unwrap_err();
+        assert!(
+            matches!(e, rekindle_runtime::Error::InvalidArgument { .. }),
+            "{e}"
+        );
+        let e = pg
+            .all_gather_into(mine, Buffer::zeros(DType::F32, 15))
+            .wait(WAIT)
+            .unwrap_err();
+        assert!(
+            matches!(e, rekindle_runtime::Error::InvalidArgument { .. }),
+            "{e}"
+        );
+        pg.barrier().wait(WAIT).unwrap();
+    });
+}

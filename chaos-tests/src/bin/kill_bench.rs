@@ -54,7 +54,9 @@ fn main() -> Result<()> {
             procs.push(Proc::spawn(cmd)?);
         }
         for p in procs.iter_mut() {
-            if p.wait_line(Duration::from_secs(60), |l| l == "iter 3").is_none() {
+            if p.wait_line(Duration::from_secs(60), |l| l == "iter 3")
+                .is_none()
+            {
                 bail!("trial {trial}: a rank never started: {:?}", p.seen);
             }
         }
@@ -80,8 +82,14 @@ fn main() -> Result<()> {
     let mut sorted = times.clone();
     sorted.sort_by(|x, y| x.total_cmp(y));
     let pct = |q: f64| sorted[((sorted.len() - 1) as f64 * q).round() as usize];
-    println!("# kill -> every survivor failed with peer_lost naming the victim, world {}", a.world);
-    println!("{:>8} {:>10} {:>10} {:>10} {:>9}", "trials", "p50_ms", "p99_ms", "max_ms", "failures");
+    println!(
+        "# kill -> every survivor failed with peer_lost naming the victim, world {}",
+        a.world
+    );
+    println!(
+        "{:>8} {:>10} {:>10} {:>10} {:>9}",
+        "trials", "p50_ms", "p99_ms", "max_ms", "failures"
+    );
     println!(
         "{:>8} {:>10.2} {:>10.2} {:>10.2} {:>9}",
         a.trials,

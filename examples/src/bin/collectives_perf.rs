@@ -216,11 +216,17 @@ fn prepare(
     } else {
         input(op, dtype, redop, rank, count)
     };
-    let spare = if op == "sendrecv" {
-        Buffer::from_fn(dtype, count, |_| 0.0)
-    } else {
-        Buffer::zeros(dtype, 0)
+    // The receive buffer of sendrecv, or the output of an op that writes a new shape.
+    let seg = segment(count, n, rank).len();
+    let out_len = match op {
+        "sendrecv" => count,
+        "all_gather" => count * n,
+        "gather" if rank == 0 => count * n,
+        "reduce_scatter" => seg,
+        "all_to_all" => seg * n,
+        _ => 0,
     };
+    let spare = Buffer::from_fn(dtype, out_len, |_| 0.0);
     (input, spare)
 }
 
@@ -234,13 +240,14 @@ fn run_once(
     count: usize,
     (buf, rbuf): (Buffer, Buffer),
     check: bool,
-) -> Result<(usize, Option<(Buffer, Buffer)>)> {
+) -> Result<(usize, (Option<Buffer>, Option<Buffer>))> {
     let (rank, n) = (pg.rank(), pg.world_size());
     let wait = Duration::from_secs(120);
     let mut wrong = 0;
-    // In-place operations hand their buffers back for the next iteration, as nccl-tests reuses
-    // its buffers; the others build fresh outputs every time (that cost is theirs).
-    let mut reuse = None;
+    // Buffers are handed back for the next iteration, as nccl-tests reuses its buffers: the
+    // in-place ops return both, the others their output (written through the `_into` calls);
+    // a consumed input is cloned afresh outside the timed region.
+    let mut reuse: (Option<Buffer>, Option<Buffer>) = (None, None);
     let mut cmp = |got: &Buffer, want: &dyn Fn(usize) -> f64| {
         if check {
             wrong += (0..got.len())
@@ -252,50 +259,54 @@ fn run_once(
         "all_reduce" => {
             let got = pg.all_reduce(buf, redop).wait(wait)?;
             cmp(&got, &|i| reduced(dtype, redop, n, i));
-            reuse = Some((got, rbuf));
+            reuse = (Some(got), Some(rbuf));
         }
         "reduce" => {
             let got = pg.reduce(buf, redop, 0).wait(wait)?;
             if rank == 0 {
                 cmp(&got, &|i| reduced(dtype, redop, n, i));
             }
-            reuse = Some((got, rbuf));
+            reuse = (Some(got), Some(rbuf));
         }
         "reduce_scatter" => {
-            let got = pg.reduce_scatter(buf, redop).wait(wait)?;
+            let got = pg.reduce_scatter_into(buf, redop, rbuf).wait(wait)?;
             let s = segment(count, n, rank);
             cmp(&got, &|t| reduced(dtype, redop, n, s.start + t));
+            reuse.1 = Some(got);
         }
         "broadcast" => {
             let got = pg.broadcast(buf, 0).wait(wait)?;
             cmp(&got, &|i| value(0, i));
-            reuse = Some((got, rbuf));
+            reuse = (Some(got), Some(rbuf));
         }
         "all_gather" => {
-            let got = pg.all_gather(buf).wait(wait)?;
+            let got = pg.all_gather_into(buf, rbuf).wait(wait)?;
             cmp(&got, &|k| value(k / count.max(1), k % count.max(1)));
+            reuse.1 = Some(got);
         }
         "gather" => {
-            let got = pg.gather(buf, 0).wait(wait)?;
             if rank == 0 {
+                let got = pg.gather_into(buf, 0, rbuf).wait(wait)?;
                 cmp(&got, &|k| value(k / count.max(1), k % count.max(1)));
+                reuse.1 = Some(got);
+            } else {
+                reuse.0 = Some(pg.gather(buf, 0).wait(wait)?);
             }
         }
         "scatter" => {
             let s = segment(count, n, rank);
-            let b = if rank == 0 {
-                buf
-            } else {
-                Buffer::zeros(dtype, s.len())
-            };
-            let got = pg.scatter(b, 0).wait(wait)?;
+            let got = pg.scatter(buf, 0).wait(wait)?;
             cmp(&got, &|t| value(0, s.start + t));
+            if rank != 0 {
+                reuse.0 = Some(got);
+            }
         }
         "all_to_all" => {
-            let got = pg.all_to_all(buf).wait(wait)?;
+            let got = pg.all_to_all_into(buf, rbuf).wait(wait)?;
             let s = segment(count, n, rank);
             let block = s.len().max(1);
             cmp(&got, &|k| value(k / block, s.start + k % block));
+            reuse.1 = Some(got);
         }
         "sendrecv" => {
             // Each rank sends to the next and receives from the previous, in an order that
@@ -387,14 +398,20 @@ fn rank_main(args: Args, rank: usize) -> Result<()> {
         while size <= args.max_bytes {
             let count = count_for(op, size, w, world);
             let template = prepare(&pg, op, dtype, redop, count);
-            let mut spare = None;
+            let mut spare: (Option<Buffer>, Option<Buffer>) = (None, None);
+            let next = |spare: &mut (Option<Buffer>, Option<Buffer>)| {
+                (
+                    spare.0.take().unwrap_or_else(|| template.0.clone()),
+                    spare.1.take().unwrap_or_else(|| template.1.clone()),
+                )
+            };
             for _ in 0..args.warmup {
-                let bufs = spare.take().unwrap_or_else(|| template.clone());
+                let bufs = next(&mut spare);
                 spare = run_once(&pg, op, dtype, redop, count, bufs, false)?.1;
             }
             let mut times = Vec::with_capacity(args.iters);
             for _ in 0..args.iters {
-                let bufs = spare.take().unwrap_or_else(|| template.clone());
+                let bufs = next(&mut spare);
                 pg.barrier().wait(wait)?;
                 let t = Instant::now();
                 spare = run_once(&pg, op, dtype, redop, count, bufs, false)?.1;
@@ -464,7 +481,9 @@ fn rank_main(args: Args, rank: usize) -> Result<()> {
         .all_reduce(Buffer::from(vec![peak as i64]), ReduceOp::Max)
         .wait(wait)?;
     if rank == 0 {
-        let max = all.into_vec::<i64>().map_err(|_| anyhow::anyhow!("dtype"))?[0];
+        let max = all
+            .into_vec::<i64>()
+            .map_err(|_| anyhow::anyhow!("dtype"))?[0];
         println!(
             "# peak RSS of the largest rank: {:.1} MiB (largest buffer {:.1} MiB)",
             max as f64 / (1 << 20) as f64,

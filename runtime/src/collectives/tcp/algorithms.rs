@@ -18,7 +18,7 @@ use super::engine::{Header, Mesh, Mode, Plan};
 use super::TcpOptions;
 use crate::buffer::Buffer;
 use crate::collectives::reduce::{combine, finish_avg, ReduceOp};
-use crate::collectives::{segment, Collective};
+use crate::collectives::{output, segment, Collective};
 use crate::error::{Error, Result};
 
 const ALL_REDUCE: u8 = 1;
@@ -164,8 +164,14 @@ pub(crate) fn execute(
             }
             Ok(buf)
         }
-        Collective::ReduceScatter { mut buf, op } => {
+        Collective::ReduceScatter { mut buf, op, out } => {
             let len = buf.len();
+            let mut out = output(
+                out,
+                buf.dtype(),
+                segment(len, ctx.world, ctx.rank).len(),
+                name,
+            )?;
             let segs: Vec<_> = (0..ctx.world).map(|j| segment(len, ctx.world, j)).collect();
             if ctx.world > 1 {
                 let hdr = ctx.header(
@@ -191,15 +197,14 @@ pub(crate) fn execute(
                 )?;
             }
             let mine = &segs[ctx.rank];
-            let mut out = Buffer::zeros(buf.dtype(), mine.len());
             let w = buf.dtype().size_in_bytes();
             out.as_bytes_mut()
                 .copy_from_slice(&buf.as_bytes()[mine.start * w..mine.end * w]);
             Ok(out)
         }
-        Collective::AllGather { buf } => {
+        Collective::AllGather { buf, out } => {
             let (n, c, w) = (ctx.world, buf.len(), buf.dtype().size_in_bytes());
-            let mut out = Buffer::zeros(buf.dtype(), n * c);
+            let mut out = output(out, buf.dtype(), n * c, name)?;
             out.as_bytes_mut()[ctx.rank * c * w..(ctx.rank + 1) * c * w]
                 .copy_from_slice(buf.as_bytes());
             if n > 1 {
@@ -287,13 +292,13 @@ pub(crate) fn execute(
                 Ok(buf)
             }
         }
-        Collective::Gather { mut buf, root } => {
+        Collective::Gather { mut buf, root, out } => {
             ctx.check_root(name, root)?;
             let (c, w) = (buf.len(), buf.dtype().size_in_bytes());
             let hdr = ctx.header(GATHER, ALGO_DIRECT, &buf, 0, c * w, root);
             let mut plan = Plan::new(buf.dtype(), ReduceOp::Sum, ctx.world);
             if ctx.rank == root {
-                let mut out = Buffer::zeros(buf.dtype(), ctx.world * c);
+                let mut out = output(out, buf.dtype(), ctx.world * c, name)?;
                 out.as_bytes_mut()[root * c * w..(root + 1) * c * w]
                     .copy_from_slice(buf.as_bytes());
                 let r = plan.region(&mut out);
@@ -311,11 +316,11 @@ pub(crate) fn execute(
                 Ok(buf)
             }
         }
-        Collective::AllToAll { mut buf } => {
+        Collective::AllToAll { mut buf, out } => {
             let (n, c, w) = (ctx.world, buf.len(), buf.dtype().size_in_bytes());
             let mine = segment(c, n, ctx.rank);
             let block = mine.len() * w;
-            let mut out = Buffer::zeros(buf.dtype(), n * mine.len());
+            let mut out = output(out, buf.dtype(), n * mine.len(), name)?;
             out.as_bytes_mut()[ctx.rank * block..(ctx.rank + 1) * block]
                 .copy_from_slice(&buf.as_bytes()[mine.start * w..mine.end * w]);
             let hdr = ctx.header(ALL_TO_ALL, ALGO_DIRECT, &buf, 0, c * w, 0);

@@ -21,7 +21,7 @@ use super::library::{NcclLib, Status, REMOTE_ERROR, SYSTEM_ERROR};
 use super::plan::{self, nccl_dtype, nccl_op};
 use super::queue::Execute;
 use crate::buffer::Buffer;
-use crate::collectives::{segment, Collective};
+use crate::collectives::{output, segment, Collective};
 use crate::error::Error;
 
 /// The state an op runs against: owned by the worker thread.
@@ -274,9 +274,14 @@ impl Exec {
                 }
                 Ok(buf)
             }
-            Collective::AllGather { buf } => {
+            Collective::AllGather { buf, out } => {
                 let n = buf.len();
-                let mut out = Buffer::zeros(buf.dtype(), n * world);
+                let mut out = output(out, buf.dtype(), n * world, "all_gather").map_err(|e| {
+                    Stop::Failed {
+                        status: None,
+                        message: e.to_string(),
+                    }
+                })?;
                 if n == 0 {
                     return Ok(out);
                 }
@@ -302,9 +307,15 @@ impl Exec {
                 self.download(out.as_bytes_mut(), dev, b)?;
                 Ok(out)
             }
-            Collective::ReduceScatter { buf, op } => {
+            Collective::ReduceScatter { buf, op, out } => {
                 let mine = segment(buf.len(), world, rank);
-                let mut out = Buffer::zeros(buf.dtype(), mine.len());
+                let mut out =
+                    output(out, buf.dtype(), mine.len(), "reduce_scatter").map_err(|e| {
+                        Stop::Failed {
+                            status: None,
+                            message: e.to_string(),
+                        }
+                    })?;
                 if buf.is_empty() {
                     return Ok(out);
                 }
@@ -370,7 +381,7 @@ impl Exec {
                     Ok(buf)
                 }
             }
-            Collective::Gather { buf, root } => {
+            Collective::Gather { buf, root, out } => {
                 let n = buf.len();
                 let dt = nccl_dtype(buf.dtype());
                 if rank != root {
@@ -383,7 +394,11 @@ impl Exec {
                     return Ok(buf);
                 }
                 let piece = buf.size_in_bytes();
-                let mut out = Buffer::zeros(buf.dtype(), n * world);
+                let mut out =
+                    output(out, buf.dtype(), n * world, "gather").map_err(|e| Stop::Failed {
+                        status: None,
+                        message: e.to_string(),
+                    })?;
                 if n == 0 {
                     return Ok(out);
                 }
@@ -402,13 +417,18 @@ impl Exec {
                     .copy_from_slice(buf.as_bytes());
                 Ok(out)
             }
-            Collective::AllToAll { buf } => {
+            Collective::AllToAll { buf, out } => {
                 let count = buf.len();
                 let dt = nccl_dtype(buf.dtype());
                 let w = buf.dtype().size_in_bytes();
                 // Rank r receives segment r of every rank's buffer: `len` elements from each.
                 let len = segment(count, world, rank).len();
-                let mut out = Buffer::zeros(buf.dtype(), len * world);
+                let mut out = output(out, buf.dtype(), len * world, "all_to_all").map_err(|e| {
+                    Stop::Failed {
+                        status: None,
+                        message: e.to_string(),
+                    }
+                })?;
                 let sends: Vec<usize> = (0..world)
                     .filter(|&r| r != rank && !segment(count, world, r).is_empty())
                     .collect();

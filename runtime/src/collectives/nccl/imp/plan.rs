@@ -52,6 +52,24 @@ pub(crate) fn validate(op: &Collective, rank: usize, world: usize) -> Result<()>
         Collective::Send { peer, .. } | Collective::Recv { peer, .. } if *peer == rank => {
             bad(format!("rank {rank} cannot {name} to or from itself"))
         }
+        Collective::AllGather { buf, out } => {
+            crate::collectives::check_output(out.as_ref(), buf.dtype(), buf.len() * world, name)
+        }
+        Collective::ReduceScatter { buf, out, .. } => crate::collectives::check_output(
+            out.as_ref(),
+            buf.dtype(),
+            crate::collectives::segment(buf.len(), world, rank).len(),
+            name,
+        ),
+        Collective::Gather { buf, out, root } if *root == rank => {
+            crate::collectives::check_output(out.as_ref(), buf.dtype(), buf.len() * world, name)
+        }
+        Collective::AllToAll { buf, out } => crate::collectives::check_output(
+            out.as_ref(),
+            buf.dtype(),
+            crate::collectives::segment(buf.len(), world, rank).len() * world,
+            name,
+        ),
         _ => Ok(()),
     }
 }
@@ -114,7 +132,14 @@ mod tests {
         let cases = [
             (Collective::Broadcast { buf: b(), root: 3 }, false),
             (Collective::Broadcast { buf: b(), root: 2 }, true),
-            (Collective::Gather { buf: b(), root: 5 }, false),
+            (
+                Collective::Gather {
+                    buf: b(),
+                    root: 5,
+                    out: None,
+                },
+                false,
+            ),
             (Collective::Scatter { buf: b(), root: 0 }, true),
             (
                 Collective::Reduce {
@@ -147,11 +172,27 @@ mod tests {
             vec![2]
         );
         assert_eq!(
-            waiting_on(&Collective::Gather { buf: b(), root: 3 }, 1, 4),
+            waiting_on(
+                &Collective::Gather {
+                    buf: b(),
+                    root: 3,
+                    out: None
+                },
+                1,
+                4
+            ),
             vec![3]
         );
         assert_eq!(
-            waiting_on(&Collective::Gather { buf: b(), root: 1 }, 1, 4),
+            waiting_on(
+                &Collective::Gather {
+                    buf: b(),
+                    root: 1,
+                    out: None
+                },
+                1,
+                4
+            ),
             vec![0, 2, 3]
         );
         assert_eq!(waiting_on(&Collective::Barrier, 2, 4), vec![0, 1, 3]);
