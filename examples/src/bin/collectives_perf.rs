@@ -230,6 +230,9 @@ fn prepare(
     (input, spare)
 }
 
+/// Buffers an iteration hands back for the next: (input, output or receive buffer).
+type Spare = (Option<Buffer>, Option<Buffer>);
+
 /// One iteration on buffers from [`prepare`]; returns the number of wrong elements when
 /// `check`.
 fn run_once(
@@ -240,14 +243,14 @@ fn run_once(
     count: usize,
     (buf, rbuf): (Buffer, Buffer),
     check: bool,
-) -> Result<(usize, (Option<Buffer>, Option<Buffer>))> {
+) -> Result<(usize, Spare)> {
     let (rank, n) = (pg.rank(), pg.world_size());
     let wait = Duration::from_secs(120);
     let mut wrong = 0;
     // Buffers are handed back for the next iteration, as nccl-tests reuses its buffers: the
     // in-place ops return both, the others their output (written through the `_into` calls);
     // a consumed input is cloned afresh outside the timed region.
-    let mut reuse: (Option<Buffer>, Option<Buffer>) = (None, None);
+    let mut reuse: Spare = (None, None);
     let mut cmp = |got: &Buffer, want: &dyn Fn(usize) -> f64| {
         if check {
             wrong += (0..got.len())
@@ -398,8 +401,8 @@ fn rank_main(args: Args, rank: usize) -> Result<()> {
         while size <= args.max_bytes {
             let count = count_for(op, size, w, world);
             let template = prepare(&pg, op, dtype, redop, count);
-            let mut spare: (Option<Buffer>, Option<Buffer>) = (None, None);
-            let next = |spare: &mut (Option<Buffer>, Option<Buffer>)| {
+            let mut spare: Spare = (None, None);
+            let next = |spare: &mut Spare| {
                 (
                     spare.0.take().unwrap_or_else(|| template.0.clone()),
                     spare.1.take().unwrap_or_else(|| template.1.clone()),
