@@ -38,7 +38,7 @@ pub struct TcpOptions {
     /// when that is unspecified).
     pub advertise_addr: Option<IpAddr>,
     /// The largest chunk an algorithm moves as a unit; ring and chain algorithms pipeline
-    /// chunks. Small values exercise many chunks in tests. Default 512 KiB.
+    /// chunks. Small values exercise many chunks in tests. Default 256 KiB.
     pub max_segment_bytes: usize,
     /// All-reduces up to this many bytes use the latency-optimised direct algorithm.
     /// Default 32 KiB.
@@ -62,7 +62,7 @@ impl Default for TcpOptions {
         TcpOptions {
             bind_addr: IpAddr::V4(Ipv4Addr::LOCALHOST),
             advertise_addr: None,
-            max_segment_bytes: 512 * 1024,
+            max_segment_bytes: 256 * 1024,
             small_message_bytes: 32 * 1024,
             socket_buffer_bytes: None,
             heartbeat_interval: Duration::from_millis(100),
