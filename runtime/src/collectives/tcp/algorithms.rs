@@ -444,6 +444,12 @@ fn ring(
     let outl = plan.out_lane((r + 1) % n, Some(inl), hdr);
     let send_seg = |s: usize| (r + shift + 2 * n - s) % n;
     let recv_seg = |s: usize| (r + shift + 2 * n - s - 1) % n;
+    // Items are ordered by `chunk + step * RING_LAG`, not step by step: a chunk is forwarded
+    // a few chunks after it arrived, while it is still in cache, instead of after the whole
+    // step. A send depends only on a receive of the previous step with a smaller key, which
+    // the previous rank sends earlier in its own stream, so no cycle of waits can form.
+    let order = |step: usize, k: usize| (k + step * RING_LAG, step);
+    let mut recvs: Vec<((usize, usize), usize, usize, usize, Mode)> = Vec::new();
     for s in 0..steps {
         let mode = if s + 1 < reduce_steps {
             Mode::Reduce
@@ -452,28 +458,49 @@ fn ring(
         } else {
             Mode::Copy
         };
-        for (start, len) in chunks(segs[recv_seg(s)].clone(), w, chunk) {
-            plan.recv(inl, region, start, len, mode);
+        for (k, (start, len)) in chunks(segs[recv_seg(s)].clone(), w, chunk).enumerate() {
+            recvs.push((order(s, k), k, start, len, mode));
         }
+    }
+    recvs.sort_by_key(|x| x.0);
+    // Where each (step, chunk) lands in the receive lane.
+    let mut recv_pos: Vec<Vec<usize>> = vec![Vec::new(); steps];
+    for (pos, &((_, s), k, start, len, mode)) in recvs.iter().enumerate() {
+        if recv_pos[s].len() <= k {
+            recv_pos[s].resize(k + 1, 0);
+        }
+        recv_pos[s][k] = pos;
+        plan.recv(inl, region, start, len, mode);
     }
     // Step 0 sends this rank's own data; every later step forwards, chunk for chunk, what the
     // previous step received.
-    let mut received = 0;
+    let mut sends: Vec<((usize, usize), usize, usize, usize)> = Vec::new();
     for s in 0..steps {
-        let src: Vec<_> = chunks(segs[send_seg(s)].clone(), w, chunk).collect();
-        for (start, len) in src {
-            let after = if s == 0 {
-                0
-            } else {
-                received += 1;
-                received
-            };
-            plan.send(outl, region, start, len, after);
+        for (k, (start, len)) in chunks(segs[send_seg(s)].clone(), w, chunk).enumerate() {
+            sends.push((order(s, k), k, start, len));
         }
     }
-    debug_assert!(received <= plan.recv_count(inl));
+    sends.sort_by_key(|x| x.0);
+    for ((_, s), k, start, len) in sends {
+        let after = match s {
+            0 => 0,
+            _ => match recv_pos[s - 1].get(k) {
+                Some(pos) => pos + 1,
+                None => {
+                    return Err(Error::InvalidArgument {
+                        op: name,
+                        reason: "internal: ring chunk without a source".into(),
+                    })
+                }
+            },
+        };
+        plan.send(outl, region, start, len, after);
+    }
     mesh.run(&mut plan, name, deadline)
 }
+
+/// How many chunks a ring step runs ahead of the next one (see `ring`).
+const RING_LAG: usize = 2;
 
 /// A pipelined chain: position 0 sends, each later position receives chunk by chunk from the
 /// previous one (copying or reducing into its buffer) and forwards to the next.

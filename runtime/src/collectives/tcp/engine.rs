@@ -246,11 +246,6 @@ impl Plan {
         }
     }
 
-    /// Number of items queued on an incoming lane so far.
-    pub(crate) fn recv_count(&self, lane: usize) -> usize {
-        self.ins[lane].items.len()
-    }
-
     fn check_bounds(&self) -> bool {
         let ok = |region: usize, start: usize, len: usize| {
             self.regions
