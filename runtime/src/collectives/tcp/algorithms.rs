@@ -449,7 +449,7 @@ fn ring(
     // step. A send depends only on a receive of the previous step with a smaller key, which
     // the previous rank sends earlier in its own stream, so no cycle of waits can form.
     let order = |step: usize, k: usize| (k + step * RING_LAG, step);
-    let mut recvs: Vec<((usize, usize), usize, usize, usize, Mode)> = Vec::new();
+    let mut recvs: Vec<(RingKey, usize, usize, usize, Mode)> = Vec::new();
     for s in 0..steps {
         let mode = if s + 1 < reduce_steps {
             Mode::Reduce
@@ -474,7 +474,7 @@ fn ring(
     }
     // Step 0 sends this rank's own data; every later step forwards, chunk for chunk, what the
     // previous step received.
-    let mut sends: Vec<((usize, usize), usize, usize, usize)> = Vec::new();
+    let mut sends: Vec<(RingKey, usize, usize, usize)> = Vec::new();
     for s in 0..steps {
         for (k, (start, len)) in chunks(segs[send_seg(s)].clone(), w, chunk).enumerate() {
             sends.push((order(s, k), k, start, len));
@@ -498,6 +498,9 @@ fn ring(
     }
     mesh.run(&mut plan, name, deadline)
 }
+
+/// The position of a ring item in its lane: (chunk + step * RING_LAG, step).
+type RingKey = (usize, usize);
 
 /// How many chunks a ring step runs ahead of the next one (see `ring`).
 const RING_LAG: usize = 2;
