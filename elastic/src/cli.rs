@@ -377,7 +377,7 @@ impl RunArgs {
                 etcd.user = conf.user.clone();
                 etcd.tls = conf.tls.clone();
                 etcd.request_timeout = conf.read_timeout;
-                RdzvConfig::Etcd(EtcdRdzv {
+                RdzvConfig::Etcd(Box::new(EtcdRdzv {
                     etcd,
                     job,
                     min_nodes: min,
@@ -386,7 +386,7 @@ impl RunArgs {
                     join_timeout: conf.join_timeout,
                     lease_ttl: conf.lease_ttl,
                     finished_retention: conf.finished_retention,
-                })
+                }))
             }
         };
         if let Some(id) = &self.rdzv_id {

@@ -14,7 +14,7 @@
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
+use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -159,15 +159,11 @@ impl Membership {
 
     /// The next event, waiting at most `timeout`.
     pub fn next_timeout(&self, timeout: Duration) -> Option<MembershipEvent> {
-        match self
-            .rx
+        self.rx
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .recv_timeout(timeout)
-        {
-            Ok(ev) => Some(ev),
-            Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => None,
-        }
+            .ok()
     }
 }
 

@@ -105,18 +105,7 @@ fn sigkilled_agent_is_dropped_within_the_ttl_and_the_survivor_reforms() {
     let line = a.wait_line("world=1 round=1", T);
     assert!(line.contains("rank=0"), "{line}");
     // Let the survivor finish: set `go` in its new round's store.
-    let ready = a
-        .output()
-        .lines()
-        .filter(|l| l.contains("ready store="))
-        .last()
-        .unwrap()
-        .to_string();
-    let ready = if ready.contains("/r1/") {
-        ready
-    } else {
-        a.wait_line("/r1/ pid", T)
-    };
+    let ready = a.wait_line("/r1/ pid", T);
     let store = TcpStoreClient::connect(field(&ready, "store").unwrap()).unwrap();
     store
         .set(&format!("{}go", field(&ready, "prefix").unwrap()), b"1")

@@ -68,7 +68,7 @@ pub enum RdzvConfig {
     /// One node, the store on a free local port, a generated job id.
     Standalone,
     /// Dynamic rendezvous on etcd v3.
-    Etcd(EtcdRdzv),
+    Etcd(Box<EtcdRdzv>),
 }
 
 /// Settings of an etcd rendezvous.

@@ -279,7 +279,7 @@ impl RendezvousBackend for StoreBackend {
     fn job_store(&self, prefix: &str) -> StoreResult<Arc<dyn Store>> {
         Ok(Arc::new(PrefixStore::new(
             self.store.clone(),
-            &self.key(prefix),
+            self.key(prefix),
         )))
     }
 }
