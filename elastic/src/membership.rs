@@ -104,7 +104,7 @@ pub(crate) fn diff(round: u64, seen: &Observation, now: &Observation) -> Vec<Mem
 const WATCH_SLICE: Duration = Duration::from_millis(500);
 
 /// The membership stream of one round. Dropping it stops the watcher (within
-/// [`WATCH_SLICE`] plus one store round trip, in the background).
+/// `WATCH_SLICE` (500 ms) plus one store round trip, in the background).
 pub struct Membership {
     round: u64,
     rx: Mutex<Receiver<MembershipEvent>>,

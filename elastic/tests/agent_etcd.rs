@@ -197,3 +197,29 @@ fn wrong_credentials_exit_3_with_a_clear_message() {
     );
     assert_eq!(ok.wait_code(T), 0, "{}", ok.output());
 }
+
+#[test]
+fn a_failure_on_one_node_restarts_the_job_and_only_that_node_counts_it() {
+    let etcd = EtcdServer::start().unwrap();
+    let logs = tempfile::tempdir().unwrap();
+    let l = logs.path().to_str().unwrap();
+    let conf = "last_call_timeout=0.2,lease_ttl=2";
+    let w = ["--max-restarts", "1", WORKER, "fail-once"];
+    let mut a = etcd_agent(&etcd.endpoint(), "restartjob", "2", conf, l, &w);
+    let mut b = etcd_agent(&etcd.endpoint(), "restartjob", "2", conf, l, &w);
+    assert_eq!(a.wait_code(T), 0, "{}", a.output());
+    assert_eq!(b.wait_code(T), 0, "{}", b.output());
+    let all = format!("{}\n{}", a.output(), b.output());
+    assert_eq!(
+        all.matches("restarting workers (restart 1 of 1)").count(),
+        1,
+        "{all}"
+    );
+    assert_eq!(
+        all.matches("stopping workers to re-form").count(),
+        1,
+        "{all}"
+    );
+    assert!(all.contains("barrier ok rank=0 world=2 round=1"), "{all}");
+    assert!(all.contains("barrier ok rank=1 world=2 round=1"), "{all}");
+}

@@ -1,8 +1,8 @@
 //! The connection to an etcd v3 cluster shared by the [`EtcdStore`](crate::store::EtcdStore)
 //! and the etcd rendezvous backend.
 //!
-//! `etcd-client` is async; this module runs it on a runtime of its own (see
-//! [`IoRuntime`](crate::io_runtime::IoRuntime)) so the synchronous store and rendezvous APIs can
+//! `etcd-client` is async; this module runs it on a tokio runtime of its own, on dedicated
+//! threads, so the synchronous store and rendezvous APIs can
 //! be called from any thread, and maps its errors onto [`StoreError`] so that an unreachable
 //! cluster reads [`StoreError::Connection`] and refused credentials read
 //! [`StoreError::Unauthorized`].
