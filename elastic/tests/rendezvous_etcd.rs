@@ -263,7 +263,7 @@ fn dead_node_lease_expires_within_the_ttl() {
         }
     );
     let took = t0.elapsed();
-    assert!(took <= Duration::from_millis(3500), "lost after {took:?}");
+    assert!(took <= Duration::from_millis(4500), "lost after {took:?}");
     let next = a.next_rendezvous().unwrap();
     assert_eq!((next.round, next.world_size, next.rank), (1, 1, 0));
 }
