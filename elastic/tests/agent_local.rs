@@ -257,6 +257,9 @@ fn static_two_nodes_on_one_host() {
         )
     };
     let mut n0 = node("0");
+    // Node 0 binds the master port first (node 1's own local store takes a port-0 port, which
+    // must not be the one just freed for node 0).
+    n0.wait_line("agent started", T);
     let mut n1 = node("1");
     assert_eq!(n0.wait_code(T), 0, "{}", n0.output());
     assert_eq!(n1.wait_code(T), 0, "{}", n1.output());

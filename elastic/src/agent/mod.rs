@@ -709,6 +709,7 @@ impl Agent {
             let end = self.monitor(&mut workers, &round, &mut publisher);
             match end {
                 AttemptEnd::Succeeded => {
+                    self.linger_for_peers(&round);
                     if let Rdzv::Dynamic { handler } = &self.rdzv {
                         if let Err(e) = handler.set_closed() {
                             tracing::warn!(error = %e, "could not mark the job finished");
@@ -776,6 +777,35 @@ impl Agent {
                         restarts,
                     });
                 }
+            }
+        }
+    }
+
+    /// The round's store lives in node 0's agent and other nodes' workers may still be using
+    /// it: every node reports success there, and node 0 keeps serving until all have (at most
+    /// the grace period).
+    fn linger_for_peers(&self, round: &Round) {
+        if round.nnodes <= 1 {
+            return;
+        }
+        let master = format!("{}:{}", round.master_addr, round.master_port);
+        let prefix = format!("/rekindle/{}/r{}/agents-done/", self.job, round.round);
+        let store = match TcpStoreClient::connect_with_timeout(&master, Duration::from_secs(5)) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(%master, error = %e, "cannot report success to node 0");
+                return;
+            }
+        };
+        if let Err(e) = store.set(&format!("{prefix}{}", round.node_rank), b"1") {
+            tracing::warn!(%master, error = %e, "cannot report success to node 0");
+            return;
+        }
+        if round.node_rank == 0 {
+            let keys: Vec<String> = (0..round.nnodes).map(|r| format!("{prefix}{r}")).collect();
+            let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+            if let Err(e) = store.wait(&refs, self.cfg.grace_period) {
+                tracing::warn!(error = %e, "not every node reported success; exiting anyway");
             }
         }
     }

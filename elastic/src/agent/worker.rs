@@ -48,8 +48,15 @@ pub(crate) struct Worker {
     pub stopped: bool,
 }
 
-/// Copies `from` line by line to the log file and to the agent's stream with a prefix.
-fn forward<R: Read + Send + 'static>(from: R, mut file: File, prefix: String, to_stderr: bool) {
+/// Copies `from` line by line to the log file and to the agent's stream with a prefix;
+/// sends on `done` at end of stream.
+fn forward<R: Read + Send + 'static>(
+    from: R,
+    mut file: File,
+    prefix: String,
+    to_stderr: bool,
+    done: Sender<()>,
+) {
     std::thread::spawn(move || {
         let mut rd = BufReader::new(from);
         let mut line = Vec::new();
@@ -74,6 +81,7 @@ fn forward<R: Read + Send + 'static>(from: R, mut file: File, prefix: String, to
             }
         }
         let _ = file.flush();
+        let _ = done.send(());
     });
 }
 
@@ -111,11 +119,15 @@ pub(crate) fn spawn(spec: &WorkerSpec, events: Sender<Event>) -> std::io::Result
         .spawn()?;
     let pid = child.id() as i32;
     let prefix = format!("[rank {}] ", spec.global_rank);
+    let (done_tx, done) = std::sync::mpsc::channel();
+    let mut streams = 0;
     if let Some(out) = child.stdout.take() {
-        forward(out, stdout_log, prefix.clone(), false);
+        forward(out, stdout_log, prefix.clone(), false, done_tx.clone());
+        streams += 1;
     }
     if let Some(err) = child.stderr.take() {
-        forward(err, stderr_log, prefix, true);
+        forward(err, stderr_log, prefix, true, done_tx);
+        streams += 1;
     }
     let local_rank = spec.local_rank;
     std::thread::spawn(move || {
@@ -124,6 +136,18 @@ pub(crate) fn spawn(spec: &WorkerSpec, events: Sender<Event>) -> std::io::Result
             Ok(s) => s,
             Err(_) => ExitStatus::from_raw(255 << 8),
         };
+        // Report the exit only after the worker's last lines are out, so nothing is lost when
+        // the agent exits right after. A grandchild holding the pipes open must not stall
+        // the agent: wait at most 2 s for the streams to end.
+        let until = Instant::now() + Duration::from_secs(2);
+        for _ in 0..streams {
+            if done
+                .recv_timeout(until.saturating_duration_since(Instant::now()))
+                .is_err()
+            {
+                break;
+            }
+        }
         let _ = events.send(Event::Exited {
             local_rank,
             status,
