@@ -14,6 +14,7 @@ pub mod device;
 pub mod dtype;
 pub mod error;
 pub mod process_group;
+pub mod sampler;
 pub mod secret;
 pub mod store;
 
