@@ -13,6 +13,7 @@ pub mod collectives;
 pub mod device;
 pub mod dtype;
 pub mod error;
+pub mod optim;
 pub mod process_group;
 pub mod sampler;
 pub mod secret;
