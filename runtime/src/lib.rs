@@ -10,6 +10,7 @@
 
 pub mod buffer;
 pub mod collectives;
+pub mod ddp;
 pub mod device;
 pub mod dtype;
 pub mod error;
