@@ -132,7 +132,6 @@ impl Buffer {
         }
         with_vec!(self, v => Ok(bytemuck::allocation::cast_vec(v)))
     }
-
 }
 
 macro_rules! impl_from_vec {

@@ -38,7 +38,9 @@ fn assert_bits(what: &str, got: &Buffer, want: &Buffer) {
     assert_eq!(got.dtype(), want.dtype(), "{what}: dtype");
     assert_eq!(got.len(), want.len(), "{what}: length");
     if got.as_bytes() != want.as_bytes() {
-        let i = (0..got.len()).find(|&i| got.get_f64(i) != want.get_f64(i)).unwrap_or(0);
+        let i = (0..got.len())
+            .find(|&i| got.get_f64(i) != want.get_f64(i))
+            .unwrap_or(0);
         panic!(
             "{what}: element {i} is {:?}, expected {:?}",
             got.get_f64(i),
@@ -75,7 +77,11 @@ fn check_all(rank: usize, pg: ProcessGroup) {
             let root = len % n;
             let mine = Buffer::from_fn(dtype, len, |i| value(rank, i));
             let got = pg.broadcast(mine.clone(), root).wait(WAIT).unwrap();
-            assert_bits(&tag("broadcast"), &got, &Buffer::from_fn(dtype, len, |i| value(root, i)));
+            assert_bits(
+                &tag("broadcast"),
+                &got,
+                &Buffer::from_fn(dtype, len, |i| value(root, i)),
+            );
 
             let got = pg.all_gather(mine.clone()).wait(WAIT).unwrap();
             let want = Buffer::from_fn(dtype, n * len, |k| value(k / len.max(1), k % len.max(1)));
@@ -100,7 +106,9 @@ fn check_all(rank: usize, pg: ProcessGroup) {
 
             let got = pg.all_to_all(mine.clone()).wait(WAIT).unwrap();
             let block = seg.len();
-            let want = Buffer::from_fn(dtype, n * block, |k| value(k / block.max(1), seg.start + k % block.max(1)));
+            let want = Buffer::from_fn(dtype, n * block, |k| {
+                value(k / block.max(1), seg.start + k % block.max(1))
+            });
             assert_bits(&tag("all_to_all"), &got, &want);
 
             if n > 1 {
@@ -116,7 +124,11 @@ fn check_all(rank: usize, pg: ProcessGroup) {
                     pg.send(mine.clone(), next).wait(WAIT).unwrap();
                     got
                 };
-                assert_bits(&tag("send/recv"), &got, &Buffer::from_fn(dtype, len, |i| value(prev, i)));
+                assert_bits(
+                    &tag("send/recv"),
+                    &got,
+                    &Buffer::from_fn(dtype, len, |i| value(prev, i)),
+                );
             }
             pg.barrier().wait(WAIT).unwrap();
         }
@@ -143,7 +155,36 @@ fn every_op_dtype_and_size_world_1_to_5_many_chunks() {
 #[test]
 fn every_op_dtype_and_size_world_1_to_5_default_options() {
     for world in 1..=5 {
-        run_ranks(&format!("default-{world}"), world, TcpOptions::default(), check_all);
+        run_ranks(
+            &format!("default-{world}"),
+            world,
+            TcpOptions::default(),
+            check_all,
+        );
+    }
+}
+
+/// The same matrix with shared memory off: every byte crosses TCP sockets.
+#[test]
+fn every_op_dtype_and_size_world_1_to_5_tcp_only() {
+    for world in 1..=5 {
+        let opts = TcpOptions {
+            shared_memory: false,
+            ..many_chunks()
+        };
+        run_ranks(&format!("tcp-{world}"), world, opts, check_all);
+    }
+}
+
+/// Tiny rings: every lane wraps its ring many times and waits on doorbells.
+#[test]
+fn every_op_dtype_and_size_world_1_to_5_tiny_rings() {
+    for world in [2, 3, 5] {
+        let opts = TcpOptions {
+            shm_ring_bytes: 64,
+            ..many_chunks()
+        };
+        run_ranks(&format!("rings-{world}"), world, opts, check_all);
     }
 }
 
@@ -155,7 +196,9 @@ fn large_all_reduce_crosses_the_small_message_threshold() {
         let buf = Buffer::from_fn(DType::F32, len, |i| reduce_input(ReduceOp::Sum, rank, i));
         pg.all_reduce(buf, ReduceOp::Sum).wait(WAIT).unwrap()
     });
-    let want = Buffer::from_fn(DType::F32, 300_000, |i| reduce_expected(ReduceOp::Sum, DType::F32, 3, i));
+    let want = Buffer::from_fn(DType::F32, 300_000, |i| {
+        reduce_expected(ReduceOp::Sum, DType::F32, 3, i)
+    });
     for got in &out {
         assert_bits("large all_reduce", got, &want);
     }
@@ -171,21 +214,42 @@ fn results_are_bit_identical_across_ranks_and_runs() {
     let run = |opts: TcpOptions| {
         run_ranks("determinism", 4, opts, |rank, pg| {
             let buf = Buffer::from_fn(DType::F32, 20_011, |i| input(rank, i));
-            let a = pg.all_reduce(buf.clone(), ReduceOp::Sum).wait(WAIT).unwrap();
+            let a = pg
+                .all_reduce(buf.clone(), ReduceOp::Sum)
+                .wait(WAIT)
+                .unwrap();
             let b = pg.reduce_scatter(buf, ReduceOp::Avg).wait(WAIT).unwrap();
             (a, b)
         })
     };
-    for opts in [many_chunks(), TcpOptions { max_segment_bytes: 4096, ..TcpOptions::default() }] {
+    for opts in [
+        many_chunks(),
+        TcpOptions {
+            max_segment_bytes: 4096,
+            ..TcpOptions::default()
+        },
+    ] {
         let first = run(opts.clone());
         for r in 1..4 {
-            assert_eq!(first[r].0.as_bytes(), first[0].0.as_bytes(), "rank {r} differs from rank 0");
+            assert_eq!(
+                first[r].0.as_bytes(),
+                first[0].0.as_bytes(),
+                "rank {r} differs from rank 0"
+            );
         }
         for _ in 0..3 {
             let again = run(opts.clone());
             for r in 0..4 {
-                assert_eq!(again[r].0.as_bytes(), first[r].0.as_bytes(), "all_reduce run differs");
-                assert_eq!(again[r].1.as_bytes(), first[r].1.as_bytes(), "reduce_scatter run differs");
+                assert_eq!(
+                    again[r].0.as_bytes(),
+                    first[r].0.as_bytes(),
+                    "all_reduce run differs"
+                );
+                assert_eq!(
+                    again[r].1.as_bytes(),
+                    first[r].1.as_bytes(),
+                    "reduce_scatter run differs"
+                );
             }
         }
     }
@@ -213,7 +277,8 @@ fn operations_run_in_issue_order_asynchronously() {
 fn mismatched_operations_fail_with_a_mismatch_error() {
     let out = run_ranks("mismatch", 2, TcpOptions::default(), |rank, pg| {
         let len = if rank == 0 { 10 } else { 11 };
-        pg.all_reduce(Buffer::from(vec![1.0f32; len]), ReduceOp::Sum).wait(WAIT)
+        pg.all_reduce(Buffer::from(vec![1.0f32; len]), ReduceOp::Sum)
+            .wait(WAIT)
     });
     for r in out {
         let e = r.unwrap_err();
@@ -224,11 +289,94 @@ fn mismatched_operations_fail_with_a_mismatch_error() {
 #[test]
 fn bad_arguments_are_rejected_and_leave_the_group_usable() {
     run_ranks("badargs", 2, TcpOptions::default(), |rank, pg| {
-        let e = pg.broadcast(Buffer::from(vec![1u8]), 5).wait(WAIT).unwrap_err();
-        assert!(matches!(e, rekindle_runtime::Error::InvalidArgument { .. }), "{e}");
-        let e = pg.send(Buffer::from(vec![1u8]), rank).wait(WAIT).unwrap_err();
-        assert!(matches!(e, rekindle_runtime::Error::InvalidArgument { .. }), "{e}");
-        let got = pg.all_reduce(Buffer::from(vec![2i32]), ReduceOp::Sum).wait(WAIT).unwrap();
+        let e = pg
+            .broadcast(Buffer::from(vec![1u8]), 5)
+            .wait(WAIT)
+            .unwrap_err();
+        assert!(
+            matches!(e, rekindle_runtime::Error::InvalidArgument { .. }),
+            "{e}"
+        );
+        let e = pg
+            .send(Buffer::from(vec![1u8]), rank)
+            .wait(WAIT)
+            .unwrap_err();
+        assert!(
+            matches!(e, rekindle_runtime::Error::InvalidArgument { .. }),
+            "{e}"
+        );
+        let got = pg
+            .all_reduce(Buffer::from(vec![2i32]), ReduceOp::Sum)
+            .wait(WAIT)
+            .unwrap();
         assert_eq!(got.into_vec::<i32>().unwrap(), vec![4]);
+    });
+}
+
+#[test]
+fn into_variants_write_the_callers_buffers_and_check_their_shape() {
+    run_ranks("into", 3, many_chunks(), |rank, pg| {
+        let mine = Buffer::from_fn(DType::I32, 5, |i| value(rank, i));
+        let out = Buffer::from_fn(DType::I32, 15, |_| -1.0);
+        let got = pg.all_gather_into(mine.clone(), out).wait(WAIT).unwrap();
+        assert_bits(
+            "all_gather_into",
+            &got,
+            &Buffer::from_fn(DType::I32, 15, |k| value(k / 5, k % 5)),
+        );
+        let seg = segment(5, 3, rank);
+        let got = pg
+            .reduce_scatter_into(
+                mine.clone(),
+                ReduceOp::Max,
+                Buffer::zeros(DType::I32, seg.len()),
+            )
+            .wait(WAIT)
+            .unwrap();
+        let want = Buffer::from_fn(DType::I32, seg.len(), |t| {
+            (0..3).map(|r| value(r, seg.start + t)).fold(0.0, f64::max)
+        });
+        assert_bits("reduce_scatter_into", &got, &want);
+        let got = pg
+            .all_to_all_into(mine.clone(), Buffer::zeros(DType::I32, 3 * seg.len()))
+            .wait(WAIT)
+            .unwrap();
+        let b = seg.len();
+        assert_bits(
+            "all_to_all_into",
+            &got,
+            &Buffer::from_fn(DType::I32, 3 * b, |k| value(k / b, seg.start + k % b)),
+        );
+        let out = if rank == 1 {
+            Buffer::zeros(DType::I32, 15)
+        } else {
+            Buffer::zeros(DType::I32, 0)
+        };
+        let got = pg.gather_into(mine.clone(), 1, out).wait(WAIT).unwrap();
+        if rank == 1 {
+            assert_bits(
+                "gather_into",
+                &got,
+                &Buffer::from_fn(DType::I32, 15, |k| value(k / 5, k % 5)),
+            );
+        }
+        // A wrong shape is an argument error found before anything is sent.
+        let e = pg
+            .all_gather_into(mine.clone(), Buffer::zeros(DType::I32, 14))
+            .wait(WAIT)
+            .unwrap_err();
+        assert!(
+            matches!(e, rekindle_runtime::Error::InvalidArgument { .. }),
+            "{e}"
+        );
+        let e = pg
+            .all_gather_into(mine, Buffer::zeros(DType::F32, 15))
+            .wait(WAIT)
+            .unwrap_err();
+        assert!(
+            matches!(e, rekindle_runtime::Error::InvalidArgument { .. }),
+            "{e}"
+        );
+        pg.barrier().wait(WAIT).unwrap();
     });
 }

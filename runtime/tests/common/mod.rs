@@ -11,7 +11,13 @@ use rekindle_runtime::{GroupConfig, JobSecret, ProcessGroup, TcpOptions};
 /// Generous per-wait timeout: the op deadline (below) is what bounds operations.
 pub const WAIT: Duration = Duration::from_secs(30);
 
-pub fn config(job: &str, round: u64, rank: usize, world: usize, store: Arc<dyn Store>) -> GroupConfig {
+pub fn config(
+    job: &str,
+    round: u64,
+    rank: usize,
+    world: usize,
+    store: Arc<dyn Store>,
+) -> GroupConfig {
     GroupConfig {
         job: job.to_string(),
         round,
@@ -36,7 +42,8 @@ pub fn run_ranks<T: Send + 'static>(
     let body = Arc::new(body);
     let handles: Vec<_> = (0..world)
         .map(|rank| {
-            let (store, body, opts, job) = (store.clone(), body.clone(), opts.clone(), job.to_string());
+            let (store, body, opts, job) =
+                (store.clone(), body.clone(), opts.clone(), job.to_string());
             std::thread::spawn(move || {
                 let pg = ProcessGroup::tcp(config(&job, 0, rank, world, store), opts)
                     .unwrap_or_else(|e| panic!("rank {rank}: forming the group: {e}"));

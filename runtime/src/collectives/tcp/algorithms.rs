@@ -18,7 +18,7 @@ use super::engine::{Header, Mesh, Mode, Plan};
 use super::TcpOptions;
 use crate::buffer::Buffer;
 use crate::collectives::reduce::{combine, finish_avg, ReduceOp};
-use crate::collectives::{segment, Collective};
+use crate::collectives::{output, segment, Collective};
 use crate::error::{Error, Result};
 
 const ALL_REDUCE: u8 = 1;
@@ -68,7 +68,11 @@ fn invalid(op: &'static str, reason: String) -> Error {
 }
 
 /// Byte ranges of at most `chunk_bytes` (a multiple of `w`) covering elements `elems`.
-fn chunks(elems: Range<usize>, w: usize, chunk_bytes: usize) -> impl Iterator<Item = (usize, usize)> {
+fn chunks(
+    elems: Range<usize>,
+    w: usize,
+    chunk_bytes: usize,
+) -> impl Iterator<Item = (usize, usize)> {
     let chunk = (chunk_bytes / w).max(1) * w;
     let (start, end) = (elems.start * w, elems.end * w);
     (start..end)
@@ -83,7 +87,15 @@ struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
-    fn header(&self, kind: u8, algo: u8, buf: &Buffer, redop: u8, nbytes: usize, aux: usize) -> Header {
+    fn header(
+        &self,
+        kind: u8,
+        algo: u8,
+        buf: &Buffer,
+        redop: u8,
+        nbytes: usize,
+        aux: usize,
+    ) -> Header {
         Header {
             kind,
             dtype: buf.dtype().code(),
@@ -97,14 +109,22 @@ impl Ctx<'_> {
 
     fn check_root(&self, op: &'static str, root: usize) -> Result<()> {
         if root >= self.world {
-            return Err(invalid(op, format!("root {root} is not below world size {}", self.world)));
+            return Err(invalid(
+                op,
+                format!("root {root} is not below world size {}", self.world),
+            ));
         }
         Ok(())
     }
 }
 
 /// Runs one collective to completion.
-pub(crate) fn execute(mesh: &mut Mesh, opts: &TcpOptions, op: Collective, deadline: Instant) -> Result<Buffer> {
+pub(crate) fn execute(
+    mesh: &mut Mesh,
+    opts: &TcpOptions,
+    op: Collective,
+    deadline: Instant,
+) -> Result<Buffer> {
     let ctx = Ctx {
         rank: mesh.rank,
         world: mesh.world,
@@ -119,34 +139,90 @@ pub(crate) fn execute(mesh: &mut Mesh, opts: &TcpOptions, op: Collective, deadli
                 } else {
                     let len = buf.len();
                     let segs: Vec<_> = (0..ctx.world).map(|j| segment(len, ctx.world, j)).collect();
-                    let hdr = ctx.header(ALL_REDUCE, ALGO_RING, &buf, redop_code(op), buf.size_in_bytes(), 0);
-                    ring(mesh, &ctx, &mut buf, &segs, 2 * (ctx.world - 1), 0, ctx.world - 1, op, hdr, name, deadline)?;
+                    let hdr = ctx.header(
+                        ALL_REDUCE,
+                        ALGO_RING,
+                        &buf,
+                        redop_code(op),
+                        buf.size_in_bytes(),
+                        0,
+                    );
+                    ring(
+                        mesh,
+                        &ctx,
+                        &mut buf,
+                        &segs,
+                        2 * (ctx.world - 1),
+                        0,
+                        ctx.world - 1,
+                        op,
+                        hdr,
+                        name,
+                        deadline,
+                    )?;
                 }
             }
             Ok(buf)
         }
-        Collective::ReduceScatter { mut buf, op } => {
+        Collective::ReduceScatter { mut buf, op, out } => {
             let len = buf.len();
+            let mut out = output(
+                out,
+                buf.dtype(),
+                segment(len, ctx.world, ctx.rank).len(),
+                name,
+            )?;
             let segs: Vec<_> = (0..ctx.world).map(|j| segment(len, ctx.world, j)).collect();
             if ctx.world > 1 {
-                let hdr = ctx.header(REDUCE_SCATTER, ALGO_RING, &buf, redop_code(op), buf.size_in_bytes(), 0);
-                ring(mesh, &ctx, &mut buf, &segs, ctx.world - 1, ctx.world - 1, ctx.world - 1, op, hdr, name, deadline)?;
+                let hdr = ctx.header(
+                    REDUCE_SCATTER,
+                    ALGO_RING,
+                    &buf,
+                    redop_code(op),
+                    buf.size_in_bytes(),
+                    0,
+                );
+                ring(
+                    mesh,
+                    &ctx,
+                    &mut buf,
+                    &segs,
+                    ctx.world - 1,
+                    ctx.world - 1,
+                    ctx.world - 1,
+                    op,
+                    hdr,
+                    name,
+                    deadline,
+                )?;
             }
             let mine = &segs[ctx.rank];
-            let mut out = Buffer::zeros(buf.dtype(), mine.len());
             let w = buf.dtype().size_in_bytes();
             out.as_bytes_mut()
                 .copy_from_slice(&buf.as_bytes()[mine.start * w..mine.end * w]);
             Ok(out)
         }
-        Collective::AllGather { buf } => {
+        Collective::AllGather { buf, out } => {
             let (n, c, w) = (ctx.world, buf.len(), buf.dtype().size_in_bytes());
-            let mut out = Buffer::zeros(buf.dtype(), n * c);
-            out.as_bytes_mut()[ctx.rank * c * w..(ctx.rank + 1) * c * w].copy_from_slice(buf.as_bytes());
+            let mut out = output(out, buf.dtype(), n * c, name)?;
+            out.as_bytes_mut()[ctx.rank * c * w..(ctx.rank + 1) * c * w]
+                .copy_from_slice(buf.as_bytes());
             if n > 1 {
                 let segs: Vec<_> = (0..n).map(|j| j * c..(j + 1) * c).collect();
                 let hdr = ctx.header(ALL_GATHER, ALGO_RING, &buf, 0, buf.size_in_bytes(), 0);
-                ring(mesh, &ctx, &mut out, &segs, n - 1, 0, 0, ReduceOp::Sum, hdr, name, deadline)?;
+                ring(
+                    mesh,
+                    &ctx,
+                    &mut out,
+                    &segs,
+                    n - 1,
+                    0,
+                    0,
+                    ReduceOp::Sum,
+                    hdr,
+                    name,
+                    deadline,
+                )?;
             }
             Ok(out)
         }
@@ -154,12 +230,29 @@ pub(crate) fn execute(mesh: &mut Mesh, opts: &TcpOptions, op: Collective, deadli
             ctx.check_root(name, root)?;
             let hdr = ctx.header(BROADCAST, ALGO_CHAIN, &buf, 0, buf.size_in_bytes(), root);
             let pos = (ctx.rank + ctx.world - root) % ctx.world;
-            chain(mesh, &ctx, &mut buf, pos, Mode::Copy, ReduceOp::Sum, hdr, name, deadline)?;
+            chain(
+                mesh,
+                &ctx,
+                &mut buf,
+                pos,
+                Mode::Copy,
+                ReduceOp::Sum,
+                hdr,
+                name,
+                deadline,
+            )?;
             Ok(buf)
         }
         Collective::Reduce { mut buf, op, root } => {
             ctx.check_root(name, root)?;
-            let hdr = ctx.header(REDUCE, ALGO_CHAIN, &buf, redop_code(op), buf.size_in_bytes(), root);
+            let hdr = ctx.header(
+                REDUCE,
+                ALGO_CHAIN,
+                &buf,
+                redop_code(op),
+                buf.size_in_bytes(),
+                root,
+            );
             // The chain starts after the root and ends at it.
             let pos = (ctx.rank + 2 * ctx.world - root - 1) % ctx.world;
             let mode = if pos == ctx.world - 1 {
@@ -199,14 +292,15 @@ pub(crate) fn execute(mesh: &mut Mesh, opts: &TcpOptions, op: Collective, deadli
                 Ok(buf)
             }
         }
-        Collective::Gather { mut buf, root } => {
+        Collective::Gather { mut buf, root, out } => {
             ctx.check_root(name, root)?;
             let (c, w) = (buf.len(), buf.dtype().size_in_bytes());
             let hdr = ctx.header(GATHER, ALGO_DIRECT, &buf, 0, c * w, root);
             let mut plan = Plan::new(buf.dtype(), ReduceOp::Sum, ctx.world);
             if ctx.rank == root {
-                let mut out = Buffer::zeros(buf.dtype(), ctx.world * c);
-                out.as_bytes_mut()[root * c * w..(root + 1) * c * w].copy_from_slice(buf.as_bytes());
+                let mut out = output(out, buf.dtype(), ctx.world * c, name)?;
+                out.as_bytes_mut()[root * c * w..(root + 1) * c * w]
+                    .copy_from_slice(buf.as_bytes());
                 let r = plan.region(&mut out);
                 for j in (0..ctx.world).filter(|j| *j != root) {
                     let l = plan.in_lane(j, hdr);
@@ -222,11 +316,11 @@ pub(crate) fn execute(mesh: &mut Mesh, opts: &TcpOptions, op: Collective, deadli
                 Ok(buf)
             }
         }
-        Collective::AllToAll { mut buf } => {
+        Collective::AllToAll { mut buf, out } => {
             let (n, c, w) = (ctx.world, buf.len(), buf.dtype().size_in_bytes());
             let mine = segment(c, n, ctx.rank);
             let block = mine.len() * w;
-            let mut out = Buffer::zeros(buf.dtype(), n * mine.len());
+            let mut out = output(out, buf.dtype(), n * mine.len(), name)?;
             out.as_bytes_mut()[ctx.rank * block..(ctx.rank + 1) * block]
                 .copy_from_slice(&buf.as_bytes()[mine.start * w..mine.end * w]);
             let hdr = ctx.header(ALL_TO_ALL, ALGO_DIRECT, &buf, 0, c * w, 0);
@@ -246,7 +340,10 @@ pub(crate) fn execute(mesh: &mut Mesh, opts: &TcpOptions, op: Collective, deadli
         Collective::Send { mut buf, peer } | Collective::Recv { mut buf, peer } => {
             let sending = name == "send";
             if peer >= ctx.world || peer == ctx.rank {
-                return Err(invalid(name, format!("peer {peer} is not another rank of {}", ctx.world)));
+                return Err(invalid(
+                    name,
+                    format!("peer {peer} is not another rank of {}", ctx.world),
+                ));
             }
             let hdr = ctx.header(P2P, ALGO_DIRECT, &buf, 0, buf.size_in_bytes(), 0);
             let bytes = buf.size_in_bytes();
@@ -278,7 +375,13 @@ pub(crate) fn execute(mesh: &mut Mesh, opts: &TcpOptions, op: Collective, deadli
 }
 
 /// Every rank sends its whole buffer to every peer, then reduces all n buffers in rank order.
-fn all_reduce_direct(mesh: &mut Mesh, ctx: &Ctx<'_>, buf: &mut Buffer, op: ReduceOp, deadline: Instant) -> Result<()> {
+fn all_reduce_direct(
+    mesh: &mut Mesh,
+    ctx: &Ctx<'_>,
+    buf: &mut Buffer,
+    op: ReduceOp,
+    deadline: Instant,
+) -> Result<()> {
     let (n, bytes) = (ctx.world, buf.size_in_bytes());
     let dtype = buf.dtype();
     let mut scratch = Buffer::zeros(dtype, buf.len() * (n - 1));
@@ -341,6 +444,12 @@ fn ring(
     let outl = plan.out_lane((r + 1) % n, Some(inl), hdr);
     let send_seg = |s: usize| (r + shift + 2 * n - s) % n;
     let recv_seg = |s: usize| (r + shift + 2 * n - s - 1) % n;
+    // Items are ordered by `chunk + step * RING_LAG`, not step by step: a chunk is forwarded
+    // a few chunks after it arrived, while it is still in cache, instead of after the whole
+    // step. A send depends only on a receive of the previous step with a smaller key, which
+    // the previous rank sends earlier in its own stream, so no cycle of waits can form.
+    let order = |step: usize, k: usize| (k + step * RING_LAG, step);
+    let mut recvs: Vec<(RingKey, usize, usize, usize, Mode)> = Vec::new();
     for s in 0..steps {
         let mode = if s + 1 < reduce_steps {
             Mode::Reduce
@@ -349,28 +458,52 @@ fn ring(
         } else {
             Mode::Copy
         };
-        for (start, len) in chunks(segs[recv_seg(s)].clone(), w, chunk) {
-            plan.recv(inl, region, start, len, mode);
+        for (k, (start, len)) in chunks(segs[recv_seg(s)].clone(), w, chunk).enumerate() {
+            recvs.push((order(s, k), k, start, len, mode));
         }
+    }
+    recvs.sort_by_key(|x| x.0);
+    // Where each (step, chunk) lands in the receive lane.
+    let mut recv_pos: Vec<Vec<usize>> = vec![Vec::new(); steps];
+    for (pos, &((_, s), k, start, len, mode)) in recvs.iter().enumerate() {
+        if recv_pos[s].len() <= k {
+            recv_pos[s].resize(k + 1, 0);
+        }
+        recv_pos[s][k] = pos;
+        plan.recv(inl, region, start, len, mode);
     }
     // Step 0 sends this rank's own data; every later step forwards, chunk for chunk, what the
     // previous step received.
-    let mut received = 0;
+    let mut sends: Vec<(RingKey, usize, usize, usize)> = Vec::new();
     for s in 0..steps {
-        let src: Vec<_> = chunks(segs[send_seg(s)].clone(), w, chunk).collect();
-        for (start, len) in src {
-            let after = if s == 0 {
-                0
-            } else {
-                received += 1;
-                received
-            };
-            plan.send(outl, region, start, len, after);
+        for (k, (start, len)) in chunks(segs[send_seg(s)].clone(), w, chunk).enumerate() {
+            sends.push((order(s, k), k, start, len));
         }
     }
-    debug_assert!(received <= plan.recv_count(inl));
+    sends.sort_by_key(|x| x.0);
+    for ((_, s), k, start, len) in sends {
+        let after = match s {
+            0 => 0,
+            _ => match recv_pos[s - 1].get(k) {
+                Some(pos) => pos + 1,
+                None => {
+                    return Err(Error::InvalidArgument {
+                        op: name,
+                        reason: "internal: ring chunk without a source".into(),
+                    })
+                }
+            },
+        };
+        plan.send(outl, region, start, len, after);
+    }
     mesh.run(&mut plan, name, deadline)
 }
+
+/// The position of a ring item in its lane: (chunk + step * RING_LAG, step).
+type RingKey = (usize, usize);
+
+/// How many chunks a ring step runs ahead of the next one (see `ring`).
+const RING_LAG: usize = 2;
 
 /// A pipelined chain: position 0 sends, each later position receives chunk by chunk from the
 /// previous one (copying or reducing into its buffer) and forwards to the next.

@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::handshake::{self, Channel, Identity};
+use super::shm::{self, ShmPair};
 use super::TcpOptions;
 use crate::error::{Error, Result};
 use crate::process_group::GroupConfig;
@@ -13,16 +14,46 @@ use crate::store::{PrefixStore, Store};
 
 /// The two authenticated connections to one peer.
 pub(crate) struct PeerLinks {
-    /// Operation bytes.
+    /// Operation bytes (only doorbells when `shm` is set).
     pub data: TcpStream,
     /// Liveness notices.
     pub ctrl: TcpStream,
+    /// Shared-memory rings, for a peer on this host.
+    pub shm: Option<ShmPair>,
 }
 
 /// The connected peers; `None` at this rank's own index.
 pub(crate) type Peers = Vec<Option<PeerLinks>>;
 
 type Slots = Vec<[Option<TcpStream>; 2]>;
+type Rings = Vec<Option<ShmPair>>;
+
+/// After the data connection's handshake, both sides negotiate shared-memory rings on it.
+fn negotiate(
+    s: &mut TcpStream,
+    opts: &TcpOptions,
+    deadline: Instant,
+) -> std::result::Result<Option<ShmPair>, String> {
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(1));
+    s.set_read_timeout(Some(left)).ok();
+    s.set_write_timeout(Some(left)).ok();
+    let cap = if opts.shared_memory {
+        opts.shm_ring_bytes.div_ceil(8) * 8
+    } else {
+        0
+    };
+    let r = if cap == 0 {
+        shm::decline(s)
+    } else {
+        shm::negotiate(s, cap)
+    }
+    .map_err(|e| format!("negotiating shared memory: {e}"));
+    s.set_read_timeout(None).ok();
+    s.set_write_timeout(None).ok();
+    r
+}
 
 /// How long one accepted connection may take to complete its handshake, so a silent stranger
 /// cannot hold up the group for the whole bootstrap deadline.
@@ -61,9 +92,13 @@ pub(crate) fn form_mesh(cfg: &GroupConfig, opts: &TcpOptions) -> Result<(Peers, 
         .map_err(|e| fail(format!("publishing the address: {e}")))?;
 
     // Accept the higher ranks on a thread while this one connects to the lower ranks.
-    let accepted: Arc<Mutex<Slots>> = Arc::new(Mutex::new((0..world).map(|_| [None, None]).collect()));
+    let accepted: Arc<Mutex<Slots>> =
+        Arc::new(Mutex::new((0..world).map(|_| [None, None]).collect()));
+    let rings: Arc<Mutex<Rings>> = Arc::new(Mutex::new((0..world).map(|_| None).collect()));
     let acceptor = {
         let accepted = accepted.clone();
+        let rings = rings.clone();
+        let opts = opts.clone();
         let (job, secret, round) = (cfg.job.clone(), cfg.secret.clone(), cfg.round);
         std::thread::Builder::new()
             .name(format!("rekindle-accept-{rank}"))
@@ -75,7 +110,7 @@ pub(crate) fn form_mesh(cfg: &GroupConfig, opts: &TcpOptions) -> Result<(Peers, 
                     world,
                     secret: &secret,
                 };
-                accept_higher(listener, &me, &accepted, deadline)
+                accept_higher(listener, &me, &accepted, &rings, &opts, deadline)
             })
             .map_err(|e| fail(format!("spawning the acceptor: {e}")))?
     };
@@ -96,9 +131,15 @@ pub(crate) fn form_mesh(cfg: &GroupConfig, opts: &TcpOptions) -> Result<(Peers, 
             for (p, addr) in addrs.iter().enumerate() {
                 let addr = String::from_utf8_lossy(addr).to_string();
                 for channel in [Channel::Data, Channel::Control] {
-                    let stream = connect_lower(&addr, &me, p, channel, deadline).map_err(|reason| {
-                        fail(format!("connecting to rank {p} at {addr}: {reason}"))
-                    })?;
+                    let mut stream =
+                        connect_lower(&addr, &me, p, channel, deadline).map_err(|reason| {
+                            fail(format!("connecting to rank {p} at {addr}: {reason}"))
+                        })?;
+                    if channel == Channel::Data {
+                        let ring = negotiate(&mut stream, opts, deadline)
+                            .map_err(|reason| fail(format!("rank {p}: {reason}")))?;
+                        rings.lock().unwrap_or_else(|x| x.into_inner())[p] = ring;
+                    }
                     slots[p][channel as usize] = Some(stream);
                 }
             }
@@ -110,11 +151,13 @@ pub(crate) fn form_mesh(cfg: &GroupConfig, opts: &TcpOptions) -> Result<(Peers, 
     connected?;
     let refused = accepted_result.map_err(fail)?;
     let mut accepted = accepted.lock().unwrap_or_else(|p| p.into_inner());
+    let mut rings = rings.lock().unwrap_or_else(|p| p.into_inner());
     let mut peers: Peers = Vec::with_capacity(world);
     for (p, (mine, theirs)) in slots.iter_mut().zip(accepted.iter_mut()).enumerate() {
-        let take = |i: usize, mine: &mut [Option<TcpStream>; 2], theirs: &mut [Option<TcpStream>; 2]| {
-            mine[i].take().or_else(|| theirs[i].take())
-        };
+        let take =
+            |i: usize, mine: &mut [Option<TcpStream>; 2], theirs: &mut [Option<TcpStream>; 2]| {
+                mine[i].take().or_else(|| theirs[i].take())
+            };
         let data = take(0, mine, theirs);
         let ctrl = take(1, mine, theirs);
         match (data, ctrl) {
@@ -127,7 +170,11 @@ pub(crate) fn form_mesh(cfg: &GroupConfig, opts: &TcpOptions) -> Result<(Peers, 
                 if let Some(bytes) = opts.socket_buffer_bytes {
                     super::link::set_buffer_sizes(&data, bytes);
                 }
-                peers.push(Some(PeerLinks { data, ctrl }));
+                peers.push(Some(PeerLinks {
+                    data,
+                    ctrl,
+                    shm: rings[p].take(),
+                }));
             }
             _ if p == rank => peers.push(None),
             _ => return Err(fail(format!("rank {p} is not fully connected"))),
@@ -172,6 +219,8 @@ fn accept_higher(
     listener: TcpListener,
     me: &Identity<'_>,
     accepted: &Mutex<Slots>,
+    rings: &Mutex<Rings>,
+    opts: &TcpOptions,
     deadline: Instant,
 ) -> std::result::Result<usize, String> {
     let expected = 2 * (me.world - me.rank - 1);
@@ -212,6 +261,19 @@ fn accept_higher(
         };
         match handshake::accept(&mut s, me, taken, hs_deadline) {
             Ok((p, c)) => {
+                if c == Channel::Data {
+                    match negotiate(&mut s, opts, hs_deadline) {
+                        Ok(ring) => rings.lock().unwrap_or_else(|x| x.into_inner())[p] = ring,
+                        Err(reason) => {
+                            tracing::warn!(
+                                rank = me.rank,
+                                peer = p,
+                                "dropped a connection: {reason}"
+                            );
+                            continue;
+                        }
+                    }
+                }
                 accepted.lock().unwrap_or_else(|x| x.into_inner())[p][c as usize] = Some(s);
                 have += 1;
             }

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use super::bootstrap::PeerLinks;
 use super::link::{self, Io};
+use super::shm::ShmPair;
 use crate::buffer::Buffer;
 use crate::collectives::reduce::{combine, finish_avg, ReduceOp};
 use crate::dtype::DType;
@@ -129,6 +130,8 @@ struct InLane {
 /// The transfers of one operation. Regions are raw views of buffers the caller owns and keeps
 /// alive, unmoved and otherwise untouched, until [`Mesh::run`] returns.
 pub(crate) struct Plan {
+    /// Zeros sent, and scratch received, to keep each shared-memory lane 8-byte aligned.
+    pad: Buffer,
     /// True when every rank takes part (all but send/recv): any lost rank fails it.
     group_wide: bool,
     regions: Vec<Region>,
@@ -142,6 +145,7 @@ pub(crate) struct Plan {
 impl Plan {
     pub(crate) fn new(dtype: DType, op: ReduceOp, world: usize) -> Plan {
         Plan {
+            pad: Buffer::U8(vec![0; 16]),
             group_wide: true,
             regions: Vec::new(),
             outs: Vec::new(),
@@ -203,7 +207,14 @@ impl Plan {
 
     /// Queues `len` bytes at `start` of `region` on an outgoing lane, to be sent once the
     /// lane's dependency has processed `after` items.
-    pub(crate) fn send(&mut self, lane: usize, region: usize, start: usize, len: usize, after: usize) {
+    pub(crate) fn send(
+        &mut self,
+        lane: usize,
+        region: usize,
+        start: usize,
+        len: usize,
+        after: usize,
+    ) {
         debug_assert!(start + len <= self.regions[region].len);
         if len > 0 {
             self.outs[lane].items.push(SendItem {
@@ -216,7 +227,14 @@ impl Plan {
     }
 
     /// Queues `len` bytes at `start` of `region` on an incoming lane.
-    pub(crate) fn recv(&mut self, lane: usize, region: usize, start: usize, len: usize, mode: Mode) {
+    pub(crate) fn recv(
+        &mut self,
+        lane: usize,
+        region: usize,
+        start: usize,
+        len: usize,
+        mode: Mode,
+    ) {
         debug_assert!(start + len <= self.regions[region].len);
         if len > 0 {
             self.ins[lane].items.push(RecvItem {
@@ -226,11 +244,6 @@ impl Plan {
                 mode,
             });
         }
-    }
-
-    /// Number of items queued on an incoming lane so far.
-    pub(crate) fn recv_count(&self, lane: usize) -> usize {
-        self.ins[lane].items.len()
     }
 
     fn check_bounds(&self) -> bool {
@@ -263,6 +276,25 @@ enum PeerState {
 const CTRL_LEN: usize = 6;
 const CTRL_GOODBYE: u8 = 1;
 const CTRL_ABORT: u8 = 2;
+const CTRL_HEARTBEAT: u8 = 3;
+
+/// A heartbeat control message.
+pub(crate) const HEARTBEAT: [u8; CTRL_LEN] = [CTRL_HEARTBEAT, 0, 0, 0, 0, 0];
+/// A goodbye control message.
+pub(crate) const GOODBYE: [u8; CTRL_LEN] = [CTRL_GOODBYE, 0, 0, 0, 0, 0];
+
+/// Sends a control message to every peer.
+pub(crate) type ControlSender = Arc<dyn Fn(&[u8; CTRL_LEN]) + Send + Sync>;
+
+/// Sends one control message to every given control socket. Callers serialise sends (the
+/// `Shared` mutex), so 6-byte messages never interleave.
+pub(crate) fn broadcast_control(ctrl: &[TcpStream], msg: &[u8; CTRL_LEN]) {
+    for s in ctrl {
+        // Tiny and rare: a non-blocking send only fails if the peer is gone, which the peer's
+        // own side notices anyway.
+        let _ = link::send(s.as_raw_fd(), msg);
+    }
+}
 
 /// Why a rank gave up on an operation, as told to its peers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -287,7 +319,12 @@ impl Cause {
 struct Peer {
     data: TcpStream,
     ctrl: TcpStream,
+    /// Shared-memory rings, when the peer is on this host; the data socket then carries only
+    /// doorbells.
+    shm: Option<ShmPair>,
     state: PeerState,
+    /// When a control message (usually a heartbeat) was last read from it.
+    last_heard: Instant,
     ctrl_buf: [u8; CTRL_LEN],
     ctrl_off: usize,
 }
@@ -302,10 +339,20 @@ pub(crate) struct Mesh {
     aborted: Arc<AtomicBool>,
     /// A failure another rank reported: (reporter, lost rank or None, cause code).
     notice: Option<(usize, Option<usize>, u8)>,
+    /// Sends control messages (shared with the heartbeat thread).
+    control: ControlSender,
+    /// A peer silent for longer than this is presumed hung when naming a timeout's culprit.
+    silence: Duration,
 }
 
 /// The longest single poll, so an abort is seen even if no socket event wakes us.
 const POLL_SLICE: Duration = Duration::from_millis(50);
+
+/// How long a rank blocked on a shared-memory ring keeps polling the ring before it asks for
+/// a doorbell and sleeps. Waking a sleeping thread costs tens of microseconds (more on an idle
+/// virtual machine), so a short wait is cheaper spent awake; the spin yields the CPU on every
+/// turn, so a peer sharing this core (more ranks than cores) runs instead.
+const SHM_SPIN: Duration = Duration::from_micros(500);
 
 fn kind_name(kind: u8) -> &'static str {
     super::algorithms::kind_name(kind)
@@ -330,14 +377,19 @@ impl Mesh {
         world: usize,
         links: Vec<Option<PeerLinks>>,
         aborted: Arc<AtomicBool>,
+        control: ControlSender,
+        silence: Duration,
     ) -> Mesh {
+        let now = Instant::now();
         let links = links
             .into_iter()
             .map(|l| {
                 l.map(|l| Peer {
                     data: l.data,
                     ctrl: l.ctrl,
+                    shm: l.shm,
                     state: PeerState::Alive,
+                    last_heard: now,
                     ctrl_buf: [0; CTRL_LEN],
                     ctrl_off: 0,
                 })
@@ -351,6 +403,8 @@ impl Mesh {
             recv_seq: vec![0; world],
             aborted,
             notice: None,
+            control,
+            silence,
         }
     }
 
@@ -370,8 +424,10 @@ impl Mesh {
                             continue;
                         }
                         peer.ctrl_off = 0;
+                        peer.last_heard = Instant::now();
                         let b = peer.ctrl_buf;
                         match b[0] {
+                            CTRL_HEARTBEAT => {}
                             CTRL_GOODBYE => peer.state = PeerState::Departed,
                             CTRL_ABORT => {
                                 let lost = u32::from_le_bytes([b[1], b[2], b[3], b[4]]);
@@ -417,28 +473,49 @@ impl Mesh {
                 });
             }
             return Some(match lost {
-                Some(peer) => self.lost(peer, op, format!("rank {reporter} reports rank {peer} {what}")),
-                None => self.lost(reporter, op, format!("rank {reporter} {what}")),
+                Some(peer) if peer != self.rank => self.lost(
+                    peer,
+                    op,
+                    format!("rank {reporter} reports rank {peer} {what}"),
+                ),
+                _ => self.lost(reporter, op, format!("rank {reporter} {what}")),
             });
         }
-        self.links.iter().enumerate().find_map(|(p, peer)| match peer {
-            Some(Peer {
-                state: PeerState::Dead(reason),
-                ..
-            }) if plan.needs(p) => Some(self.lost(p, op, reason.clone())),
-            _ => None,
-        })
+        self.links
+            .iter()
+            .enumerate()
+            .find_map(|(p, peer)| match peer {
+                Some(Peer {
+                    state: PeerState::Dead(reason),
+                    ..
+                }) if plan.needs(p) => Some(self.lost(p, op, reason.clone())),
+                _ => None,
+            })
     }
 
-    fn send_control(&mut self, msg: [u8; CTRL_LEN]) {
-        for peer in self.links.iter_mut().flatten() {
-            if peer.state != PeerState::Alive {
-                continue;
-            }
-            // Control messages are tiny and rare, so a non-blocking send of 6 bytes only fails
-            // if the peer is gone, which it will notice on its own.
-            let _ = link::send(peer.ctrl.as_raw_fd(), &msg);
+    /// An abort shuts this rank's own sockets down, which reads like dead peers: report the
+    /// abort instead.
+    fn unless_aborted(&self, e: Error) -> Error {
+        if self.aborted.load(Ordering::Acquire) {
+            Error::Aborted { rank: self.rank }
+        } else {
+            e
         }
+    }
+
+    /// The peers that went silent (no heartbeat for longer than the silence bound): the
+    /// likely culprits of a timeout.
+    fn silent_peers(&self, now: Instant) -> Vec<usize> {
+        self.links
+            .iter()
+            .enumerate()
+            .filter_map(|(p, peer)| {
+                let peer = peer.as_ref()?;
+                (peer.state == PeerState::Alive
+                    && now.duration_since(peer.last_heard) > self.silence)
+                    .then_some(p)
+            })
+            .collect()
     }
 
     /// Tells every peer that this rank gave up on its operation because of `lost`.
@@ -450,14 +527,12 @@ impl Mesh {
         msg[0] = CTRL_ABORT;
         msg[1..5].copy_from_slice(&lost.map_or(u32::MAX, |p| p as u32).to_le_bytes());
         msg[5] = cause as u8;
-        self.send_control(msg);
+        (self.control)(&msg);
     }
 
     /// Says goodbye to every peer and closes the connections (an orderly leave).
-    pub(crate) fn goodbye(mut self) {
-        let mut msg = [0u8; CTRL_LEN];
-        msg[0] = CTRL_GOODBYE;
-        self.send_control(msg);
+    pub(crate) fn goodbye(self) {
+        (self.control)(&GOODBYE);
         for peer in self.links.iter().flatten() {
             let _ = peer.ctrl.shutdown(std::net::Shutdown::Write);
             let _ = peer.data.shutdown(std::net::Shutdown::Write);
@@ -475,7 +550,17 @@ impl Mesh {
 
     /// Runs every transfer of `plan` to completion, or fails at the first lost peer, mismatch,
     /// abort, or at `deadline`.
-    pub(crate) fn run(&mut self, plan: &mut Plan, op: &'static str, deadline: Instant) -> Result<()> {
+    pub(crate) fn run(
+        &mut self,
+        plan: &mut Plan,
+        op: &'static str,
+        deadline: Instant,
+    ) -> Result<()> {
+        self.run_inner(plan, op, deadline)
+            .map_err(|e| self.unless_aborted(e))
+    }
+
+    fn run_inner(&mut self, plan: &mut Plan, op: &'static str, deadline: Instant) -> Result<()> {
         if !plan.check_bounds() {
             return Err(Error::InvalidArgument {
                 op,
@@ -502,7 +587,32 @@ impl Mesh {
                 l.staging = Some(Buffer::zeros(plan.dtype, bytes.div_ceil(w)));
             }
         }
+        // Lanes through shared memory end on an 8-byte boundary, so every element in a ring
+        // is aligned for its dtype and a wrap never splits one.
+        let pad = plan.region(&mut Buffer::U8(Vec::new()));
+        let pad_ptr = plan.pad.as_bytes_mut().as_mut_ptr();
+        plan.regions[pad] = Region {
+            ptr: pad_ptr,
+            len: 16,
+        };
+        for i in 0..plan.outs.len() {
+            if self.is_shm(plan.outs[i].peer) {
+                let total: usize =
+                    HEADER_LEN + plan.outs[i].items.iter().map(|x| x.len).sum::<usize>();
+                plan.send(i, pad, 0, (8 - total % 8) % 8, 0);
+            }
+        }
+        for i in 0..plan.ins.len() {
+            if self.is_shm(plan.ins[i].peer) {
+                let total: usize =
+                    HEADER_LEN + plan.ins[i].items.iter().map(|x| x.len).sum::<usize>();
+                plan.recv(i, pad, 8, (8 - total % 8) % 8, Mode::Copy);
+            }
+        }
         let start = Instant::now();
+        let mut spin_since: Option<Instant> = None;
+        let mut shm_wait_in: Vec<usize> = Vec::new();
+        let mut shm_wait_out: Vec<usize> = Vec::new();
         let mut fds: Vec<libc::pollfd> = Vec::with_capacity(2 * self.world);
         self.read_control();
         if let Some(e) = self.liveness_error(plan, op) {
@@ -515,35 +625,100 @@ impl Mesh {
             let mut progressed = false;
             let mut want_read = vec![false; self.world];
             let mut want_write = vec![false; self.world];
+            shm_wait_in.clear();
+            shm_wait_out.clear();
             for l in plan.ins.iter_mut() {
-                progressed |= self.pump_in(l, &plan.regions, plan.dtype, plan.op, plan.world, op, &mut want_read)?;
+                progressed |= if self.is_shm(l.peer) {
+                    self.pump_in_shm(
+                        l,
+                        &plan.regions,
+                        plan.dtype,
+                        plan.op,
+                        plan.world,
+                        op,
+                        &mut shm_wait_in,
+                    )?
+                } else {
+                    self.pump_in(
+                        l,
+                        &plan.regions,
+                        plan.dtype,
+                        plan.op,
+                        plan.world,
+                        op,
+                        &mut want_read,
+                    )?
+                };
             }
             let in_done: Vec<usize> = plan.ins.iter().map(|l| l.cur).collect();
             for l in plan.outs.iter_mut() {
-                progressed |= self.pump_out(l, &plan.regions, &in_done, op, &mut want_write)?;
+                progressed |= if self.is_shm(l.peer) {
+                    self.pump_out_shm(l, &plan.regions, &in_done, &mut shm_wait_out)
+                } else {
+                    self.pump_out(l, &plan.regions, &in_done, op, &mut want_write)?
+                };
             }
-            let finished = plan.ins.iter().all(|l| l.hdr_off == HEADER_LEN && l.cur == l.items.len())
-                && plan.outs.iter().all(|l| l.hdr_off == HEADER_LEN && l.cur == l.items.len());
+            let finished = plan
+                .ins
+                .iter()
+                .all(|l| l.hdr_off == HEADER_LEN && l.cur == l.items.len())
+                && plan
+                    .outs
+                    .iter()
+                    .all(|l| l.hdr_off == HEADER_LEN && l.cur == l.items.len());
             if finished {
                 return Ok(());
             }
             if progressed {
+                spin_since = None;
                 continue;
             }
+            // A departed peer on a ring: its data was written before its goodbye, so an empty
+            // ring now stays empty (and a full one stays full).
+            for &p in shm_wait_in.iter().chain(&shm_wait_out) {
+                if matches!(
+                    self.links[p].as_ref().map(|x| &x.state),
+                    Some(PeerState::Departed)
+                ) {
+                    return Err(self.lost(
+                        p,
+                        op,
+                        "it left the group before finishing this operation",
+                    ));
+                }
+            }
             let now = Instant::now();
+            if !shm_wait_in.is_empty() || !shm_wait_out.is_empty() {
+                // A peer on this host is usually microseconds away: spin a little before
+                // paying for doorbells and a poll.
+                let since = *spin_since.get_or_insert(now);
+                if now.duration_since(since) < SHM_SPIN && now < deadline {
+                    std::thread::yield_now();
+                    continue;
+                }
+                spin_since = None;
+                if !self.arm_doorbells(&shm_wait_in, &shm_wait_out, &mut want_read) {
+                    continue; // bytes or space arrived while arming
+                }
+            }
             if now >= deadline {
-                let mut waiting_on: Vec<usize> = plan
-                    .ins
-                    .iter()
-                    .filter(|l| l.hdr_off < HEADER_LEN || l.cur < l.items.len())
-                    .map(|l| l.peer)
-                    .chain(
-                        plan.outs
-                            .iter()
-                            .filter(|l| l.hdr_off < HEADER_LEN || l.cur < l.items.len())
-                            .map(|l| l.peer),
-                    )
-                    .collect();
+                // Name the silent peers if any (a stopped process sends no heartbeats; one
+                // merely blocked behind it still does); else the peers this rank's lanes wait on.
+                let mut waiting_on = self.silent_peers(now);
+                if waiting_on.is_empty() {
+                    waiting_on = plan
+                        .ins
+                        .iter()
+                        .filter(|l| l.hdr_off < HEADER_LEN || l.cur < l.items.len())
+                        .map(|l| l.peer)
+                        .chain(
+                            plan.outs
+                                .iter()
+                                .filter(|l| want_write[l.peer])
+                                .map(|l| l.peer),
+                        )
+                        .collect();
+                }
                 waiting_on.sort_unstable();
                 waiting_on.dedup();
                 return Err(Error::Timeout {
@@ -587,9 +762,190 @@ impl Mesh {
                     &std::io::Error::last_os_error(),
                 ));
             }
+            self.drain_doorbells(&want_read);
             self.read_control();
             if let Some(e) = self.liveness_error(plan, op) {
                 return Err(e);
+            }
+        }
+    }
+
+    fn is_shm(&self, peer: usize) -> bool {
+        self.links[peer].as_ref().is_some_and(|p| p.shm.is_some())
+    }
+
+    /// Asks the peers whose rings block us for a doorbell; false if one need not be waited for.
+    fn arm_doorbells(&self, wait_in: &[usize], wait_out: &[usize], want_read: &mut [bool]) -> bool {
+        let mut all_armed = true;
+        for &p in wait_in {
+            if let Some(shm) = self.links[p].as_ref().and_then(|x| x.shm.as_ref()) {
+                all_armed &= shm.rx.wait_for_data();
+                want_read[p] = true;
+            }
+        }
+        for &p in wait_out {
+            if let Some(shm) = self.links[p].as_ref().and_then(|x| x.shm.as_ref()) {
+                all_armed &= shm.tx.wait_for_space();
+                want_read[p] = true;
+            }
+        }
+        all_armed
+    }
+
+    /// Reads away doorbell bytes of shared-memory peers we waited on.
+    fn drain_doorbells(&self, waited: &[bool]) {
+        let mut sink = [0u8; 64];
+        for (p, peer) in self.links.iter().enumerate() {
+            let Some(peer) = peer else { continue };
+            if peer.shm.is_none() || !waited[p] {
+                continue;
+            }
+            while let Io::Done(_) = link::recv(peer.data.as_raw_fd(), &mut sink) {}
+        }
+    }
+
+    fn ring_doorbell(&self, peer: usize) {
+        if let Some(p) = &self.links[peer] {
+            let _ = link::send(p.data.as_raw_fd(), &[1]);
+        }
+    }
+
+    /// As [`Mesh::pump_in`], from the peer's ring: copies out, or reduces straight from the
+    /// ring into place.
+    #[allow(clippy::too_many_arguments)]
+    fn pump_in_shm(
+        &self,
+        l: &mut InLane,
+        regions: &[Region],
+        dtype: DType,
+        rop: ReduceOp,
+        world: usize,
+        op: &'static str,
+        wait: &mut Vec<usize>,
+    ) -> Result<bool> {
+        let Some(ring) = self.links[l.peer]
+            .as_ref()
+            .and_then(|p| p.shm.as_ref())
+            .map(|s| &s.rx)
+        else {
+            return Err(self.lost(l.peer, op, "no connection"));
+        };
+        let w = dtype.size_in_bytes();
+        let mut progressed = false;
+        loop {
+            if l.hdr_off < HEADER_LEN {
+                let (a, b) = ring.readable(HEADER_LEN - l.hdr_off);
+                let n = a.len() + b.len();
+                if n == 0 {
+                    wait.push(l.peer);
+                    return Ok(progressed);
+                }
+                l.hdr[l.hdr_off..l.hdr_off + a.len()].copy_from_slice(a);
+                l.hdr[l.hdr_off + a.len()..l.hdr_off + n].copy_from_slice(b);
+                if ring.consume(n) {
+                    self.ring_doorbell(l.peer);
+                }
+                l.hdr_off += n;
+                progressed = true;
+                if l.hdr_off == HEADER_LEN {
+                    self.check_header(l, op)?;
+                }
+                continue;
+            }
+            let Some(item) = l.items.get(l.cur) else {
+                return Ok(progressed);
+            };
+            let region = &regions[item.region];
+            let (a, b) = ring.readable(item.len - l.off);
+            let mut n = a.len() + b.len();
+            if item.mode != Mode::Copy {
+                n -= n % w;
+            }
+            if n == 0 {
+                wait.push(l.peer);
+                return Ok(progressed);
+            }
+            let (a, b) = (&a[..a.len().min(n)], &b[..n - a.len().min(n)]);
+            // SAFETY: bounds were checked; the region outlives `run`; no other view of these
+            // bytes exists during this call.
+            let dst =
+                unsafe { std::slice::from_raw_parts_mut(region.ptr.add(item.start + l.off), n) };
+            if item.mode == Mode::Copy {
+                dst[..a.len()].copy_from_slice(a);
+                dst[a.len()..].copy_from_slice(b);
+            } else {
+                let (d1, d2) = dst.split_at_mut(a.len());
+                combine(rop, dtype, d1, a);
+                combine(rop, dtype, d2, b);
+            }
+            if ring.consume(n) {
+                self.ring_doorbell(l.peer);
+            }
+            progressed = true;
+            l.off += n;
+            if l.off == item.len {
+                if item.mode == Mode::ReduceFinish {
+                    // SAFETY: as above, the whole item.
+                    let whole = unsafe {
+                        std::slice::from_raw_parts_mut(region.ptr.add(item.start), item.len)
+                    };
+                    finish_avg(rop, dtype, whole, world);
+                }
+                l.cur += 1;
+                l.off = 0;
+            }
+        }
+    }
+
+    /// As [`Mesh::pump_out`], into the peer's ring.
+    fn pump_out_shm(
+        &self,
+        l: &mut OutLane,
+        regions: &[Region],
+        in_done: &[usize],
+        wait: &mut Vec<usize>,
+    ) -> bool {
+        let Some(ring) = self.links[l.peer]
+            .as_ref()
+            .and_then(|p| p.shm.as_ref())
+            .map(|s| &s.tx)
+        else {
+            return false;
+        };
+        let mut progressed = false;
+        loop {
+            let src: &[u8] = if l.hdr_off < HEADER_LEN {
+                &l.hdr[l.hdr_off..]
+            } else {
+                let Some(item) = l.items.get(l.cur) else {
+                    return progressed;
+                };
+                if l.dep.is_some_and(|d| in_done[d] < item.after) {
+                    return progressed;
+                }
+                let region = &regions[item.region];
+                // SAFETY: bounds checked; the bytes are complete input or received data.
+                unsafe {
+                    std::slice::from_raw_parts(region.ptr.add(item.start + l.off), item.len - l.off)
+                }
+            };
+            let (n, bell) = ring.write(src);
+            if bell {
+                self.ring_doorbell(l.peer);
+            }
+            if n == 0 {
+                wait.push(l.peer);
+                return progressed;
+            }
+            progressed = true;
+            if l.hdr_off < HEADER_LEN {
+                l.hdr_off += n;
+            } else {
+                l.off += n;
+                if l.off == l.items[l.cur].len {
+                    l.cur += 1;
+                    l.off = 0;
+                }
             }
         }
     }
@@ -709,7 +1065,9 @@ impl Mesh {
             reason,
         };
         let Some(got) = Header::decode(&l.hdr) else {
-            return Err(mismatch("the peer sent bytes that are not a rekindle header".into()));
+            return Err(mismatch(
+                "the peer sent bytes that are not a rekindle header".into(),
+            ));
         };
         if got != l.expect {
             return Err(mismatch(format!(

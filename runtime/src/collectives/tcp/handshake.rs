@@ -81,7 +81,8 @@ fn set_deadline(s: &TcpStream, deadline: Instant) -> Result<(), String> {
 }
 
 fn read_exact(s: &mut TcpStream, buf: &mut [u8], what: &str) -> Result<(), String> {
-    s.read_exact(buf).map_err(|e| format!("reading {what}: {e}"))
+    s.read_exact(buf)
+        .map_err(|e| format!("reading {what}: {e}"))
 }
 
 /// Which of a pair's two connections this is.
@@ -116,9 +117,9 @@ pub(crate) fn connect(
         (target as u32).to_le_bytes(),
     );
     let chan = [channel as u8];
-    let mac = me
-        .secret
-        .mac(&[b"client", nonce_a, &nonce_c, job, &round, &rank, &tgt, &chan]);
+    let mac = me.secret.mac(&[
+        b"client", nonce_a, &nonce_c, job, &round, &rank, &tgt, &chan,
+    ]);
     let mut msg = Vec::with_capacity(8 + 1 + job.len() + 8 + 4 + 4 + 1 + 16 + 32);
     msg.extend_from_slice(MAGIC);
     msg.push(job.len() as u8);
@@ -185,10 +186,10 @@ pub(crate) fn accept(
     let (tgt, rest_) = rest_.split_at(4);
     let (chan, rest_) = rest_.split_at(1);
     let (nonce_c, mac) = rest_.split_at(16);
-    if !me
-        .secret
-        .verify(&[b"client", &nonce_a, nonce_c, job, round, rank, tgt, chan], mac)
-    {
+    if !me.secret.verify(
+        &[b"client", &nonce_a, nonce_c, job, round, rank, tgt, chan],
+        mac,
+    ) {
         return refuse(s, Refusal::BadSecret);
     }
     if job != me.job.as_bytes() {
@@ -212,7 +213,10 @@ pub(crate) fn accept(
         return refuse(s, Refusal::Duplicate);
     }
     let mut reply = [0u8; 33];
-    reply[1..].copy_from_slice(&me.secret.mac(&[b"server", nonce_c, &nonce_a, job, round, tgt, rank]));
+    reply[1..].copy_from_slice(
+        &me.secret
+            .mac(&[b"server", nonce_c, &nonce_a, job, round, tgt, rank]),
+    );
     s.write_all(&reply)
         .map_err(|e| format!("sending the answer: {e}"))?;
     s.set_read_timeout(None).ok();

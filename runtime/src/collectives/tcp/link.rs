@@ -47,14 +47,7 @@ pub(crate) fn send(fd: RawFd, buf: &[u8]) -> Io {
 pub(crate) fn recv(fd: RawFd, buf: &mut [u8]) -> Io {
     loop {
         // SAFETY: `buf` is a valid writable slice for its length; the fd is an open socket.
-        let n = unsafe {
-            libc::recv(
-                fd,
-                buf.as_mut_ptr().cast(),
-                buf.len(),
-                libc::MSG_DONTWAIT,
-            )
-        };
+        let n = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
         if n > 0 {
             return Io::Done(n as usize);
         }

@@ -17,6 +17,7 @@ mod bootstrap;
 mod engine;
 mod handshake;
 mod link;
+mod shm;
 
 use std::net::{IpAddr, Ipv4Addr, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -37,13 +38,23 @@ pub struct TcpOptions {
     /// when that is unspecified).
     pub advertise_addr: Option<IpAddr>,
     /// The largest chunk an algorithm moves as a unit; ring and chain algorithms pipeline
-    /// chunks. Small values exercise many chunks in tests. Default 512 KiB.
+    /// chunks. Small values exercise many chunks in tests. Default 256 KiB.
     pub max_segment_bytes: usize,
     /// All-reduces up to this many bytes use the latency-optimised direct algorithm.
     /// Default 32 KiB.
     pub small_message_bytes: usize,
     /// Socket send/receive buffer size to ask the kernel for (`None`: the kernel's default).
     pub socket_buffer_bytes: Option<usize>,
+    /// Every rank sends a heartbeat on its control connections this often, from its own
+    /// thread, so that when an operation times out the rank that went silent (a stopped or
+    /// wedged process) is named rather than the live ranks blocked behind it. Default 100 ms.
+    pub heartbeat_interval: Duration,
+    /// Move bytes between ranks on the same host through shared-memory rings (the pair's TCP
+    /// connections then carry only doorbells and liveness). Pairs on different hosts always
+    /// use TCP. Default true.
+    pub shared_memory: bool,
+    /// Bytes of each shared-memory ring (one per direction of a pair). Default 4 MiB.
+    pub shm_ring_bytes: usize,
 }
 
 impl Default for TcpOptions {
@@ -51,9 +62,12 @@ impl Default for TcpOptions {
         TcpOptions {
             bind_addr: IpAddr::V4(Ipv4Addr::LOCALHOST),
             advertise_addr: None,
-            max_segment_bytes: 512 * 1024,
+            max_segment_bytes: 256 * 1024,
             small_message_bytes: 32 * 1024,
             socket_buffer_bytes: None,
+            heartbeat_interval: Duration::from_millis(100),
+            shared_memory: true,
+            shm_ring_bytes: 4 << 20,
         }
     }
 }
@@ -69,6 +83,9 @@ struct Shared {
     error: Mutex<Option<Error>>,
     /// Second handles on every socket, so `abort` can shut them down under the worker.
     sockets: Vec<TcpStream>,
+    /// Handles on the control connections, for heartbeats and notices; the lock serialises
+    /// whole messages.
+    control: Mutex<Vec<TcpStream>>,
 }
 
 impl Shared {
@@ -81,6 +98,11 @@ impl Shared {
         if slot.is_none() {
             *slot = Some(e.clone());
         }
+    }
+
+    fn send_control(&self, msg: &[u8; 6]) {
+        let ctrl = self.control.lock().unwrap_or_else(|p| p.into_inner());
+        engine::broadcast_control(&ctrl, msg);
     }
 
     fn shutdown(&self) {
@@ -130,22 +152,46 @@ impl TcpBackend {
             .flat_map(|l| [l.data.try_clone(), l.ctrl.try_clone()])
             .collect::<std::io::Result<Vec<_>>>()
             .map_err(|e| Error::io("cloning socket handles", &e))?;
+        let control = links
+            .iter()
+            .flatten()
+            .map(|l| l.ctrl.try_clone())
+            .collect::<std::io::Result<Vec<_>>>()
+            .map_err(|e| Error::io("cloning socket handles", &e))?;
         let aborted = Arc::new(AtomicBool::new(false));
         let shared = Arc::new(Shared {
             rank,
             aborted: aborted.clone(),
             error: Mutex::new(None),
             sockets,
+            control: Mutex::new(control),
         });
         let (queue, jobs) = mpsc::channel::<Job>();
         let (exited_tx, exited) = mpsc::sync_channel::<()>(1);
-        let mesh = engine::Mesh::new(rank, world, links, aborted);
+        let sender = shared.clone();
+        let silence = options.heartbeat_interval * 5;
+        let mesh = engine::Mesh::new(
+            rank,
+            world,
+            links,
+            aborted,
+            Arc::new(move |msg: &[u8; 6]| sender.send_control(msg)),
+            silence,
+        );
+        let (stop_heartbeat, heartbeat_stopped) = mpsc::channel::<()>();
+        let hb_shared = shared.clone();
+        let interval = options.heartbeat_interval;
+        std::thread::Builder::new()
+            .name(format!("rekindle-heartbeat-{rank}"))
+            .spawn(move || heartbeat(hb_shared, heartbeat_stopped, interval))
+            .map_err(|e| Error::io("spawning the heartbeat thread", &e))?;
         let worker_shared = shared.clone();
         let op_timeout = config.op_timeout;
         std::thread::Builder::new()
             .name(format!("rekindle-tcp-{rank}"))
             .spawn(move || {
                 worker(mesh, jobs, worker_shared, options, op_timeout);
+                drop(stop_heartbeat);
                 let _ = exited_tx.send(());
             })
             .map_err(|e| Error::io("spawning the collective worker", &e))?;
@@ -166,6 +212,33 @@ impl TcpBackend {
     }
 }
 
+/// Sends a heartbeat every `interval` until the worker exits (the stop channel closes) or the
+/// group is aborted.
+fn heartbeat(shared: Arc<Shared>, stop: mpsc::Receiver<()>, interval: Duration) {
+    while let Err(mpsc::RecvTimeoutError::Timeout) = stop.recv_timeout(interval) {
+        if shared.aborted.load(Ordering::Acquire) {
+            return;
+        }
+        shared.send_control(&engine::HEARTBEAT);
+    }
+}
+
+/// How long the idle worker checks its queue before it sleeps: operations issued back to back
+/// (a barrier, then a small all-reduce) then start without a thread wake-up.
+const IDLE_SPIN: Duration = Duration::from_micros(200);
+
+fn next_job(jobs: &mpsc::Receiver<Job>) -> Option<Job> {
+    let start = Instant::now();
+    while start.elapsed() < IDLE_SPIN {
+        match jobs.try_recv() {
+            Ok(job) => return Some(job),
+            Err(mpsc::TryRecvError::Disconnected) => return None,
+            Err(mpsc::TryRecvError::Empty) => std::thread::yield_now(),
+        }
+    }
+    jobs.recv().ok()
+}
+
 fn worker(
     mut mesh: engine::Mesh,
     jobs: mpsc::Receiver<Job>,
@@ -173,7 +246,7 @@ fn worker(
     options: TcpOptions,
     op_timeout: Duration,
 ) {
-    while let Ok(job) = jobs.recv() {
+    while let Some(job) = next_job(&jobs) {
         let rank = shared.rank;
         if shared.aborted.load(Ordering::Acquire) {
             job.done.complete(Err(Error::Aborted { rank }));
