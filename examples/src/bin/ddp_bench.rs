@@ -248,6 +248,14 @@ fn collect(child: std::process::Child, what: &str) -> Result<Timing> {
 
 fn coordinate(args: &Args) -> Result<()> {
     let single = collect(spawn(args, "single", 0, None)?, "single-process")?;
+    // The same number of independent single processes at once: the machine's contention
+    // without any communication, to tell DDP's cost from the cost of sharing the cores.
+    let concurrent = (0..args.ranks)
+        .map(|r| spawn(args, "single", r, None))
+        .collect::<Result<Vec<_>>>()?
+        .into_iter()
+        .map(|c| collect(c, "concurrent single-process"))
+        .collect::<Result<Vec<_>>>()?;
     let dir = tempfile::tempdir().context("creating the store directory")?;
     let children = (0..args.ranks)
         .map(|r| spawn(args, "rank", r, Some(dir.path())))
@@ -270,6 +278,13 @@ fn coordinate(args: &Args) -> Result<()> {
         .map(|s| ranks.iter().map(|t| t.sync_ms[s]).fold(0.0, f64::max))
         .collect();
     let base = median(&single.steps_ms);
+    let slowest = |runs: &[Timing], pick: fn(&Timing) -> &Vec<f64>| -> Vec<f64> {
+        (0..steps)
+            .map(|s| runs.iter().map(|t| pick(t)[s]).fold(0.0, f64::max))
+            .collect()
+    };
+    let conc_steps = slowest(&concurrent, |t| &t.steps_ms);
+    let conc_sync = slowest(&concurrent, |t| &t.sync_ms);
     let ddp = median(&ddp_steps);
     let mut rows = vec![
         (
@@ -278,6 +293,13 @@ fn coordinate(args: &Args) -> Result<()> {
             median(&single.steps_ms),
             percentile_of(&single.steps_ms, 0.9),
             median(&single.sync_ms),
+        ),
+        (
+            "single-concurrent",
+            args.ranks,
+            median(&conc_steps),
+            percentile_of(&conc_steps, 0.9),
+            median(&conc_sync),
         ),
         (
             "ddp",
@@ -293,19 +315,23 @@ fn coordinate(args: &Args) -> Result<()> {
         args.batch, args.threads, steps, args.mode, args.first_bucket_mb, args.bucket_cap_mb
     );
     println!(
-        "{:<8} {:>5} {:>12} {:>12} {:>14} {:>7}",
+        "{:<18} {:>5} {:>10} {:>10} {:>10} {:>7}",
         "run", "ranks", "median ms", "p90 ms", "update ms", "ratio"
     );
     let mut csv =
         String::from("run,ranks,batch_per_rank,threads,median_ms,p90_ms,update_ms,ratio\n");
     for (name, n, med, p90, upd) in rows.drain(..) {
         let ratio = med / base;
-        println!("{name:<8} {n:>5} {med:>12.2} {p90:>12.2} {upd:>14.2} {ratio:>7.3}");
+        println!("{name:<18} {n:>5} {med:>10.2} {p90:>10.2} {upd:>10.2} {ratio:>7.3}");
         csv.push_str(&format!(
             "{name},{n},{},{},{med:.3},{p90:.3},{upd:.3},{ratio:.4}\n",
             args.batch, args.threads
         ));
     }
+    println!(
+        "ddp over single-concurrent: {:.3}",
+        ddp / median(&conc_steps)
+    );
     println!(
         "loss {:.4} -> {:.4} (ddp rank 0); peer: torch DDP + Gloo 1.26x (31.9 ms vs 25.3 ms); goal <= 1.10x",
         ranks[0].first_loss, ranks[0].last_loss
