@@ -484,12 +484,12 @@ impl Ddp {
         Ok(count as usize)
     }
 
-    /// Divides bucket `b`'s reduced gradients by the global count, updates its parameters in
-    /// place, and keeps the buffer for the next step.
+    /// Updates bucket `b`'s parameters in place from its reduced gradients divided by the
+    /// global count, and keeps the buffer for the next step.
     fn apply(
         &mut self,
         b: usize,
-        mut buf: Vec<f32>,
+        buf: Vec<f32>,
         global: usize,
         optimizer: &mut dyn Optimizer,
     ) -> DdpResult<()> {
@@ -500,15 +500,13 @@ impl Ddp {
                 reason: format!("bucket {b} came back with {} elements", buf.len()),
             });
         }
-        if global != 1 {
-            let n = global as f32;
-            buf[..plan_len].iter_mut().for_each(|g| *g /= n);
-        }
+        // The average is folded into the update: one pass over the gradients fewer.
+        let scale = (1.0 / global as f64) as f32;
         let mut opt_err: Option<OptimError> = None;
         for m in &self.buckets[b].plan.members {
             let grad = &buf[m.range.clone()];
             update_f32(&self.vars[m.param], |p| {
-                if let Err(e) = optimizer.update(m.param, p, grad) {
+                if let Err(e) = optimizer.update_scaled(m.param, p, grad, scale) {
                     opt_err = Some(e);
                 }
                 Ok(())

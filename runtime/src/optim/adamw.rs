@@ -129,7 +129,13 @@ impl Optimizer for AdamW {
         self.step += 1;
     }
 
-    fn update(&mut self, index: usize, param: &mut [f32], grad: &[f32]) -> OptimResult<()> {
+    fn update_scaled(
+        &mut self,
+        index: usize,
+        param: &mut [f32],
+        grad: &[f32],
+        scale: f32,
+    ) -> OptimResult<()> {
         check_update(&self.params, index, param, grad)?;
         let c = self.config;
         let t = self.step.max(1) as f64;
@@ -150,6 +156,7 @@ impl Optimizer for AdamW {
             .zip(v.iter_mut())
         {
             *p *= decay;
+            let g = g * scale;
             *m = b1 * *m + k1 * g;
             *v = b2 * *v + k2 * g * g;
             *p -= step_size * *m / (v.sqrt() / bc2_sqrt + eps);

@@ -126,7 +126,13 @@ impl Optimizer for Sgd {
         self.step += 1;
     }
 
-    fn update(&mut self, index: usize, param: &mut [f32], grad: &[f32]) -> OptimResult<()> {
+    fn update_scaled(
+        &mut self,
+        index: usize,
+        param: &mut [f32],
+        grad: &[f32],
+        scale: f32,
+    ) -> OptimResult<()> {
         check_update(&self.params, index, param, grad)?;
         let c = self.config;
         let lr = c.lr as f32;
@@ -135,6 +141,7 @@ impl Optimizer for Sgd {
         let keep = (1.0 - c.dampening) as f32;
         if c.momentum == 0.0 {
             for (p, &g) in param.iter_mut().zip(grad) {
+                let g = g * scale;
                 let g = if wd != 0.0 { g + wd * *p } else { g };
                 *p -= lr * g;
             }
@@ -144,6 +151,7 @@ impl Optimizer for Sgd {
         let first = slot.is_none();
         let buf = slot.get_or_insert_with(|| vec![0.0; grad.len()]);
         for ((p, &g), b) in param.iter_mut().zip(grad).zip(buf.iter_mut()) {
+            let g = g * scale;
             let g = if wd != 0.0 { g + wd * *p } else { g };
             *b = if first { g } else { mom * *b + keep * g };
             let d = if c.nesterov { g + mom * *b } else { *b };
