@@ -36,11 +36,13 @@
 
 mod bucket;
 mod data_parallel;
+mod state_sync;
 
 use std::time::Duration;
 
 pub use bucket::{plan_buckets, BucketPlan, Member};
 pub use data_parallel::{Ddp, StepReport};
+pub use state_sync::broadcast_state;
 
 use crate::optim::OptimError;
 
