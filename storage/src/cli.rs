@@ -1,0 +1,1 @@
+//! The `rekindle ckpt` commands.
