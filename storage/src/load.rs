@@ -430,9 +430,26 @@ impl Checkpoint {
             .collect()
     }
 
-    /// The total size of the tensor data in bytes.
+    /// The total size of the checkpoint's files in bytes.
     pub fn data_bytes(&self) -> u64 {
         self.manifest.files.values().map(|f| f.size).sum()
+    }
+
+    /// The tensor names as loaded (after key normalisation), sorted.
+    pub fn names(&self) -> Vec<&str> {
+        self.index.keys().map(String::as_str).collect()
+    }
+
+    /// Borrows a tensor from the mapping; with [`Verify::PerTensor`] its checksum is checked
+    /// on every call. [`StorageError::TensorNotFound`] if absent.
+    pub fn tensor(&self, name: &str) -> Result<TensorRef<'_>> {
+        tensor_ref(
+            &self.dir,
+            &self.files,
+            &self.index,
+            name,
+            self.verify == Verify::PerTensor,
+        )
     }
 }
 
@@ -442,18 +459,11 @@ impl TensorSource for Checkpoint {
     }
 
     fn names(&self) -> Vec<&str> {
-        self.index.keys().map(String::as_str).collect()
+        Checkpoint::names(self)
     }
 
-    /// Borrows a tensor; with [`Verify::PerTensor`] its checksum is checked on every call.
     fn tensor(&self, name: &str) -> Result<TensorRef<'_>> {
-        tensor_ref(
-            &self.dir,
-            &self.files,
-            &self.index,
-            name,
-            self.verify == Verify::PerTensor,
-        )
+        Checkpoint::tensor(self, name)
     }
 }
 
@@ -570,6 +580,16 @@ impl SafetensorsFile {
     pub fn metadata(&self) -> &BTreeMap<String, String> {
         &self.files[""].header.metadata
     }
+
+    /// The tensor names as loaded (after key normalisation), sorted.
+    pub fn names(&self) -> Vec<&str> {
+        self.index.keys().map(String::as_str).collect()
+    }
+
+    /// Borrows a tensor from the mapping; [`StorageError::TensorNotFound`] if absent.
+    pub fn tensor(&self, name: &str) -> Result<TensorRef<'_>> {
+        tensor_ref(&self.path, &self.files, &self.index, name, false)
+    }
 }
 
 impl TensorSource for SafetensorsFile {
@@ -578,10 +598,10 @@ impl TensorSource for SafetensorsFile {
     }
 
     fn names(&self) -> Vec<&str> {
-        self.index.keys().map(String::as_str).collect()
+        SafetensorsFile::names(self)
     }
 
     fn tensor(&self, name: &str) -> Result<TensorRef<'_>> {
-        tensor_ref(&self.path, &self.files, &self.index, name, false)
+        SafetensorsFile::tensor(self, name)
     }
 }
