@@ -38,6 +38,60 @@ impl Hasher {
     }
 }
 
+/// The checksum of a safetensors file as the manifest records it: the XXH3-64 of the
+/// little-endian 64-bit XXH3-64 digests of the header (the first `data_start` bytes: length
+/// prefix and JSON) and of each tensor's bytes, in file order. The pieces tile the file, so
+/// every byte is covered; the tensor digests double as the per-tensor checksums, so a save
+/// hashes its data once, and verification hashes tensors in parallel.
+pub fn file_checksum(header: u64, tensors: &[u64]) -> u64 {
+    let mut h = Hasher::new();
+    h.update(&header.to_le_bytes());
+    for t in tensors {
+        h.update(&t.to_le_bytes());
+    }
+    h.finish()
+}
+
+/// [`file_checksum`] of a whole file's bytes, given where the data section starts and each
+/// tensor's `[begin, end)` offsets in it (in file order), hashing the pieces on up to
+/// `threads` cores.
+pub fn file_checksum_of(
+    bytes: &[u8],
+    data_start: usize,
+    tensors: &[(u64, u64)],
+    threads: usize,
+) -> u64 {
+    let pieces: Vec<&[u8]> = std::iter::once(&bytes[..data_start])
+        .chain(
+            tensors
+                .iter()
+                .map(|&(b, e)| &bytes[data_start + b as usize..data_start + e as usize]),
+        )
+        .collect();
+    let threads = threads.clamp(1, pieces.len().max(1));
+    let mut sums = vec![0u64; pieces.len()];
+    // Deal pieces round-robin so big tensors spread over the threads.
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|k| {
+                let pieces = &pieces;
+                s.spawn(move || {
+                    (k..pieces.len())
+                        .step_by(threads)
+                        .map(|i| (i, xxh3(pieces[i])))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        for h in handles {
+            for (i, v) in h.join().unwrap_or_default() {
+                sums[i] = v;
+            }
+        }
+    });
+    file_checksum(sums[0], &sums[1..])
+}
+
 /// The manifest's text form of a checksum: 16 lower-case hex digits.
 pub fn to_hex(sum: u64) -> String {
     format!("{sum:016x}")

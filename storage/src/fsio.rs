@@ -31,6 +31,22 @@ pub(crate) fn fsync_file(file: &File, path: &Path) -> Result<()> {
         .map_err(|e| StorageError::io("fsync", path, e))
 }
 
+/// Asks the kernel to start writing `len` bytes at `offset` back to disk now, without waiting;
+/// the fsync that follows then has less left to do. Advisory: failures are ignored (the fsync
+/// reports real errors).
+pub(crate) fn start_writeback(file: &File, offset: u64, len: u64) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: the descriptor is open; sync_file_range only schedules I/O on it.
+    unsafe {
+        libc::sync_file_range(
+            file.as_raw_fd(),
+            offset as libc::off64_t,
+            len as libc::off64_t,
+            libc::SYNC_FILE_RANGE_WRITE,
+        );
+    }
+}
+
 /// Flushes a directory's entries (new names, renames) to stable storage.
 pub(crate) fn fsync_dir(path: &Path) -> Result<()> {
     let dir = File::open(path).map_err(|e| StorageError::io("open directory", path, e))?;

@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use memmap2::Mmap;
 use rekindle_runtime::{Device, Element};
 
-use crate::checksum::{from_hex, xxh3};
+use crate::checksum::{file_checksum_of, from_hex, xxh3};
 use crate::dtype::TensorDType;
 use crate::error::{Result, StorageError};
 use crate::keys::normalize_key;
@@ -512,21 +512,15 @@ fn check_against_manifest(
 
 /// Hashes every file (in parallel over the available cores) and compares with the manifest.
 fn verify_files(manifest: &Manifest, files: &BTreeMap<String, MappedFile>) -> Result<()> {
-    let list: Vec<(&MappedFile, &str)> = files
-        .iter()
-        .map(|(n, f)| (f, manifest.files[n].xxh3.as_str()))
-        .collect();
-    let threads = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(list.len())
-        .max(1);
-    let chunk = list.len().div_ceil(threads).max(1);
-    let check = |(f, want): &(&MappedFile, &str)| -> Result<()> {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    for (name, f) in files {
+        let want = &manifest.files[name].xxh3;
         let expected = from_hex(want).ok_or_else(|| StorageError::InvalidManifest {
             path: f.path.clone(),
             reason: format!("checksum {want:?} is not 16 hex digits"),
         })?;
-        let actual = xxh3(f.bytes());
+        let offsets: Vec<(u64, u64)> = f.header.tensors.iter().map(|t| t.data_offsets).collect();
+        let actual = file_checksum_of(f.bytes(), f.header.data_start as usize, &offsets, threads);
         if actual != expected {
             return Err(StorageError::ChecksumMismatch {
                 path: f.path.clone(),
@@ -535,21 +529,8 @@ fn verify_files(manifest: &Manifest, files: &BTreeMap<String, MappedFile>) -> Re
                 actual,
             });
         }
-        Ok(())
-    };
-    std::thread::scope(|s| {
-        let handles: Vec<_> = list
-            .chunks(chunk)
-            .map(|part| s.spawn(move || part.iter().try_for_each(check)))
-            .collect();
-        handles.into_iter().try_for_each(|h| {
-            h.join().unwrap_or_else(|_| {
-                Err(StorageError::InvalidArgument {
-                    reason: "a verification thread panicked".into(),
-                })
-            })
-        })
-    })
+    }
+    Ok(())
 }
 
 /// A bare `.safetensors` file (from rekindle, Python `safetensors`, Hugging Face, PyTorch

@@ -54,7 +54,11 @@ fn kill_writer_at(root: &Path, stage: &str) {
     let reached = rx.recv_timeout(Duration::from_secs(60));
     child.kill().unwrap();
     child.wait().unwrap();
-    assert_eq!(reached.as_deref(), Ok(stage), "the writer did not reach {stage}");
+    assert_eq!(
+        reached.as_deref(),
+        Ok(stage),
+        "the writer did not reach {stage}"
+    );
 }
 
 fn check_after_crash(stage: &str) {
@@ -66,7 +70,9 @@ fn check_after_crash(stage: &str) {
 
     let renamed = stage == RETENTION_STAGE
         || SAVE_STAGES.iter().position(|s| *s == stage)
-            >= SAVE_STAGES.iter().position(|s| *s == "storage::save::renamed");
+            >= SAVE_STAGES
+                .iter()
+                .position(|s| *s == "storage::save::renamed");
     // Every committed checkpoint verifies: there is no corrupt one, latest or not.
     let steps = dir.committed_steps().unwrap();
     for &s in &steps {
@@ -79,7 +85,11 @@ fn check_after_crash(stage: &str) {
     let expected = if renamed { common::snapshot(2) } else { old };
     assert_eq!(latest.state(), &expected.state, "{stage}");
     for e in expected.entries() {
-        assert_eq!(latest.tensor(&e.name).unwrap().bytes(), e.tensor.as_bytes(), "{stage}");
+        assert_eq!(
+            latest.tensor(&e.name).unwrap().bytes(),
+            e.tensor.as_bytes(),
+            "{stage}"
+        );
     }
     drop(latest);
 
@@ -112,7 +122,9 @@ fn failpoint_error_leaves_no_trace() {
     let root = tempfile::tempdir().unwrap();
     let dir = CheckpointDir::new(root.path()).unwrap();
     dir.save(&common::snapshot(1)).unwrap();
-    let before_rename = SAVE_STAGES.iter().take_while(|s| **s != "storage::save::renamed");
+    let before_rename = SAVE_STAGES
+        .iter()
+        .take_while(|s| **s != "storage::save::renamed");
     for stage in before_rename {
         let out = Command::new(std::env::current_exe().unwrap())
             .args(["--exact", "crash_child", "--test-threads=1"])
@@ -126,7 +138,13 @@ fn failpoint_error_leaves_no_trace() {
         assert_eq!(dir.committed_steps().unwrap(), vec![1], "{stage}");
         let tmp = std::fs::read_dir(root.path())
             .unwrap()
-            .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().starts_with(".tmp"))
+            .filter(|e| {
+                e.as_ref()
+                    .unwrap()
+                    .file_name()
+                    .to_string_lossy()
+                    .starts_with(".tmp")
+            })
             .count();
         assert_eq!(tmp, 0, "{stage}");
     }
