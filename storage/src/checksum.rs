@@ -68,13 +68,18 @@ pub fn file_checksum_of(
                 .map(|&(b, e)| &bytes[data_start + b as usize..data_start + e as usize]),
         )
         .collect();
+    let sums = digests(&pieces, threads);
+    file_checksum(sums[0], &sums[1..])
+}
+
+/// The XXH3-64 of each piece, computed on up to `threads` cores (pieces are dealt
+/// round-robin so big ones spread over the threads).
+pub fn digests(pieces: &[&[u8]], threads: usize) -> Vec<u64> {
     let threads = threads.clamp(1, pieces.len().max(1));
     let mut sums = vec![0u64; pieces.len()];
-    // Deal pieces round-robin so big tensors spread over the threads.
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..threads)
             .map(|k| {
-                let pieces = &pieces;
                 s.spawn(move || {
                     (k..pieces.len())
                         .step_by(threads)
@@ -89,7 +94,7 @@ pub fn file_checksum_of(
             }
         }
     });
-    file_checksum(sums[0], &sums[1..])
+    sums
 }
 
 /// The manifest's text form of a checksum: 16 lower-case hex digits.

@@ -17,7 +17,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use crate::checksum::{file_checksum, to_hex, xxh3};
+use crate::checksum::{digests, file_checksum, to_hex};
 use crate::error::{Result, StorageError};
 use crate::failpoint::hit;
 use crate::fsio::{self, DirLock};
@@ -86,7 +86,7 @@ impl WrittenFiles {
 }
 
 /// Writes `entries` as the safetensors file `dir/name`, fsyncs it, and returns its entries.
-/// The checksums are computed on another core while the bytes are written.
+/// The checksums are computed while the fsync waits for the disk.
 fn write_file(
     dir: &Path,
     name: &str,
@@ -106,34 +106,38 @@ fn write_file(
     metadata.insert("rekindle.step".to_string(), step.to_string());
     let header = encode_header(&list, &metadata);
     let data_start = header.len() as u64;
-    // Hash on another core while this one copies into the page cache; start writeback of each
-    // tensor as soon as it is written so the disk works during the copy, and the final fsync
-    // only waits for the tail.
-    let (written, (header_sum, tensor_sums)) = std::thread::scope(|s| {
-        let hasher = s.spawn(|| {
-            let sums: Vec<u64> = list.iter().map(|(_, t)| xxh3(t.as_bytes())).collect();
-            (xxh3(&header), sums)
-        });
-        let written = (|| -> Result<()> {
-            let mut file = fsio::create_new(&path)?;
-            fsio::write_all(&mut file, &path, &header)?;
-            let mut at = Vec::with_capacity(list.len());
-            let mut offset = data_start;
-            for (_, t) in &list {
-                at.push(offset);
-                offset += t.size_in_bytes() as u64;
-            }
-            let half = list.len().div_ceil(2);
-            write_parallel(&file, &path, &list[..half], &at[..half])?;
-            hit("storage::save::file_partial")?;
-            write_parallel(&file, &path, &list[half..], &at[half..])?;
-            hit("storage::save::file_written")?;
-            fsio::fsync_file(&file, &path)
-        })();
-        let sums = hasher.join().unwrap_or_default();
-        (written, sums)
+    // Copy into the page cache on two cores, starting writeback of each tensor as soon as it
+    // is written; then hash on every core while the fsync waits for the disk.
+    let mut file = fsio::create_new(&path)?;
+    fsio::write_all(&mut file, &path, &header)?;
+    let mut at = Vec::with_capacity(list.len());
+    let mut offset = data_start;
+    for (_, t) in &list {
+        at.push(offset);
+        offset += t.size_in_bytes() as u64;
+    }
+    let half = list.len().div_ceil(2);
+    write_parallel(&file, &path, &list[..half], &at[..half])?;
+    hit("storage::save::file_partial")?;
+    write_parallel(&file, &path, &list[half..], &at[half..])?;
+    hit("storage::save::file_written")?;
+    let pieces: Vec<&[u8]> = std::iter::once(header.as_slice())
+        .chain(list.iter().map(|(_, t)| t.as_bytes()))
+        .collect();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let (synced, sums) = std::thread::scope(|s| {
+        let sync = s.spawn(|| fsio::fsync_file(&file, &path));
+        let sums = digests(&pieces, threads);
+        (sync.join(), sums)
     });
-    written?;
+    synced.unwrap_or_else(|_| {
+        Err(StorageError::io(
+            "fsync",
+            &path,
+            std::io::Error::other("fsync thread panicked"),
+        ))
+    })?;
+    let (header_sum, tensor_sums) = (sums[0], sums[1..].to_vec());
     let file_sum = file_checksum(header_sum, &tensor_sums);
     let mut out = WrittenFiles {
         files: BTreeMap::new(),

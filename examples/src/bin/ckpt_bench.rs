@@ -43,8 +43,15 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// Flushes everything dirty so each measurement starts from a quiet disk.
+fn quiesce() {
+    // SAFETY: sync(2) has no preconditions.
+    unsafe { libc::sync() };
+}
+
 fn dd_seconds(dir: &Path, size_mib: usize) -> Result<f64> {
     let target = dir.join("dd.bin");
+    quiesce();
     let start = Instant::now();
     let out = Command::new("dd")
         .arg("if=/dev/zero")
@@ -109,6 +116,7 @@ fn main() -> Result<()> {
         dd.push(dd_seconds(root.path(), args.size_mib)?);
         step += 1;
         live.state.step = step;
+        quiesce();
         let start = Instant::now();
         dir.save(&live)?;
         save.push(start.elapsed().as_secs_f64());
@@ -126,6 +134,7 @@ fn main() -> Result<()> {
     for i in 0..=args.repeat {
         step += 1;
         live.state.step = step;
+        quiesce();
         let start = Instant::now();
         saver.save(&live)?;
         let stall = start.elapsed().as_secs_f64();
