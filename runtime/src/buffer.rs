@@ -132,13 +132,6 @@ impl Buffer {
         }
         with_vec!(self, v => Ok(bytemuck::allocation::cast_vec(v)))
     }
-
-    /// Copies `src` (same dtype) into `self` at element offset `at`.
-    pub(crate) fn copy_from(&mut self, at: usize, src: &Buffer) {
-        let w = self.dtype().size_in_bytes();
-        let n = src.as_bytes().len();
-        self.as_bytes_mut()[at * w..at * w + n].copy_from_slice(src.as_bytes());
-    }
 }
 
 macro_rules! impl_from_vec {

@@ -178,7 +178,9 @@ mod tests {
 
     #[test]
     fn rejects_bad_devices() {
-        for s in ["", "cuda:", "cuda:-1", "cuda:x", "cuda:1:2", "tpu", "cuda:+1"] {
+        for s in [
+            "", "cuda:", "cuda:-1", "cuda:x", "cuda:1:2", "tpu", "cuda:+1",
+        ] {
             let err = s.parse::<Device>().unwrap_err();
             assert!(matches!(err, Error::InvalidDevice { .. }), "{s}: {err}");
         }
@@ -198,7 +200,11 @@ mod tests {
             (Some("3,2,1,0"), 2, 0),
         ];
         for &(env, physical, want) in table {
-            assert_eq!(visible_device_count(env, physical), want, "{env:?} of {physical}");
+            assert_eq!(
+                visible_device_count(env, physical),
+                want,
+                "{env:?} of {physical}"
+            );
         }
     }
 

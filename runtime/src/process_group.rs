@@ -150,12 +150,16 @@ impl ProcessGroup {
     /// Forms a group over the TCP backend (blocks until every rank connected, or the
     /// bootstrap deadline).
     pub fn tcp(config: GroupConfig, options: crate::TcpOptions) -> Result<Self> {
-        Ok(Self::new(Arc::new(crate::TcpBackend::new(config, options)?)))
+        Ok(Self::new(Arc::new(crate::TcpBackend::new(
+            config, options,
+        )?)))
     }
 
     /// Forms a group over the NCCL backend on `device` (an error without the `nccl` feature).
     pub fn nccl(config: GroupConfig, device: crate::Device) -> Result<Self> {
-        Ok(Self::new(Arc::new(crate::NcclBackend::new(config, device)?)))
+        Ok(Self::new(Arc::new(crate::NcclBackend::new(
+            config, device,
+        )?)))
     }
 
     /// The backend.
@@ -184,11 +188,28 @@ impl ProcessGroup {
     }
     /// See [`Collective::AllGather`].
     pub fn all_gather(&self, buf: Buffer) -> Work {
-        self.backend.submit(Collective::AllGather { buf })
+        self.backend
+            .submit(Collective::AllGather { buf, out: None })
+    }
+    /// [`ProcessGroup::all_gather`] into a caller's buffer (reused across steps).
+    pub fn all_gather_into(&self, buf: Buffer, out: Buffer) -> Work {
+        self.backend.submit(Collective::AllGather {
+            buf,
+            out: Some(out),
+        })
     }
     /// See [`Collective::ReduceScatter`].
     pub fn reduce_scatter(&self, buf: Buffer, op: ReduceOp) -> Work {
-        self.backend.submit(Collective::ReduceScatter { buf, op })
+        self.backend
+            .submit(Collective::ReduceScatter { buf, op, out: None })
+    }
+    /// [`ProcessGroup::reduce_scatter`] into a caller's buffer.
+    pub fn reduce_scatter_into(&self, buf: Buffer, op: ReduceOp, out: Buffer) -> Work {
+        self.backend.submit(Collective::ReduceScatter {
+            buf,
+            op,
+            out: Some(out),
+        })
     }
     /// See [`Collective::Scatter`].
     pub fn scatter(&self, buf: Buffer, root: usize) -> Work {
@@ -196,11 +217,30 @@ impl ProcessGroup {
     }
     /// See [`Collective::Gather`].
     pub fn gather(&self, buf: Buffer, root: usize) -> Work {
-        self.backend.submit(Collective::Gather { buf, root })
+        self.backend.submit(Collective::Gather {
+            buf,
+            root,
+            out: None,
+        })
+    }
+    /// [`ProcessGroup::gather`] into a caller's buffer on the root.
+    pub fn gather_into(&self, buf: Buffer, root: usize, out: Buffer) -> Work {
+        self.backend.submit(Collective::Gather {
+            buf,
+            root,
+            out: Some(out),
+        })
     }
     /// See [`Collective::AllToAll`].
     pub fn all_to_all(&self, buf: Buffer) -> Work {
-        self.backend.submit(Collective::AllToAll { buf })
+        self.backend.submit(Collective::AllToAll { buf, out: None })
+    }
+    /// [`ProcessGroup::all_to_all`] into a caller's buffer.
+    pub fn all_to_all_into(&self, buf: Buffer, out: Buffer) -> Work {
+        self.backend.submit(Collective::AllToAll {
+            buf,
+            out: Some(out),
+        })
     }
     /// See [`Collective::Send`].
     pub fn send(&self, buf: Buffer, peer: usize) -> Work {

@@ -62,10 +62,7 @@ impl JobSecret {
     }
 
     /// The resolution rule of [`JobSecret::from_env`] over explicit sources.
-    pub fn from_sources(
-        value: Option<Vec<u8>>,
-        file: Option<std::path::PathBuf>,
-    ) -> Result<Self> {
+    pub fn from_sources(value: Option<Vec<u8>>, file: Option<std::path::PathBuf>) -> Result<Self> {
         if let Some(v) = value {
             return JobSecret::new(v).map_err(|_| Error::Secret {
                 source_desc: SECRET_ENV.into(),

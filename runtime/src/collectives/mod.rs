@@ -60,6 +60,9 @@ pub enum Collective {
     AllGather {
         /// This rank's contribution.
         buf: Buffer,
+        /// A buffer to write the result into (dtype of `buf`, `world * len` elements), reused
+        /// across calls to spare the allocation; `None` allocates one.
+        out: Option<Buffer>,
     },
     /// Every rank ends with its [`segment`] of the reduction of all ranks' buffers.
     ReduceScatter {
@@ -67,6 +70,8 @@ pub enum Collective {
         buf: Buffer,
         /// The reduction.
         op: ReduceOp,
+        /// A buffer for the result (this rank's segment length), or `None` to allocate one.
+        out: Option<Buffer>,
     },
     /// Rank `i` receives [`segment`] `i` of the root's buffer. On the root `buf` is the whole
     /// input; elsewhere it is the output, whose length must be that rank's segment length.
@@ -83,6 +88,9 @@ pub enum Collective {
         buf: Buffer,
         /// The destination rank.
         root: usize,
+        /// On the root, a buffer for the result (`world * len` elements), or `None` to
+        /// allocate one; ignored elsewhere.
+        out: Option<Buffer>,
     },
     /// Segment `j` of every rank's buffer goes to rank `j`; rank `r` ends with the
     /// concatenation, in rank order, of segment `r` of every rank's buffer. All ranks pass
@@ -90,6 +98,9 @@ pub enum Collective {
     AllToAll {
         /// This rank's input.
         buf: Buffer,
+        /// A buffer for the result (`world` times this rank's segment length), or `None` to
+        /// allocate one.
+        out: Option<Buffer>,
     },
     /// Sends `buf` to `peer`, which must issue a matching `Recv` of the same length and dtype.
     Send {
@@ -188,7 +199,7 @@ impl Work {
         let start = Instant::now();
         match self.rx {
             WorkRx::Ready(mut r) => r.take().unwrap_or(Err(Error::Aborted { rank: self.rank })),
-            WorkRx::Pending(rx) => match rx.recv_timeout(timeout) {
+            WorkRx::Pending(rx) => match spin_then_recv(&rx, timeout) {
                 Ok(r) => r,
                 Err(mpsc::RecvTimeoutError::Timeout) => Err(Error::Timeout {
                     rank: self.rank,
@@ -196,7 +207,9 @@ impl Work {
                     elapsed: start.elapsed(),
                     waiting_on: Vec::new(),
                 }),
-                Err(mpsc::RecvTimeoutError::Disconnected) => Err(Error::Aborted { rank: self.rank }),
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    Err(Error::Aborted { rank: self.rank })
+                }
             },
         }
     }
@@ -218,6 +231,59 @@ impl Work {
             },
         }
     }
+}
+
+/// Checks that a caller's output buffer has the result's dtype and length.
+pub(crate) fn check_output(
+    out: Option<&Buffer>,
+    dtype: crate::DType,
+    len: usize,
+    op: &'static str,
+) -> Result<()> {
+    match out {
+        Some(b) if b.dtype() != dtype || b.len() != len => Err(Error::InvalidArgument {
+            op,
+            reason: format!(
+                "the output buffer is {} x {}, the result is {dtype} x {len}",
+                b.dtype(),
+                b.len()
+            ),
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// The output buffer of an operation: the caller's `out` if it fits (else
+/// [`Error::InvalidArgument`]), or a new zeroed one.
+pub(crate) fn output(
+    out: Option<Buffer>,
+    dtype: crate::DType,
+    len: usize,
+    op: &'static str,
+) -> Result<Buffer> {
+    check_output(out.as_ref(), dtype, len, op)?;
+    Ok(out.unwrap_or_else(|| Buffer::zeros(dtype, len)))
+}
+
+/// How long [`Work::wait`] checks for a result before it sleeps: a collective of a few KiB
+/// completes in tens of microseconds, less than a sleeping thread takes to wake.
+const WAIT_SPIN: Duration = Duration::from_micros(200);
+
+fn spin_then_recv<T>(
+    rx: &mpsc::Receiver<T>,
+    timeout: Duration,
+) -> std::result::Result<T, mpsc::RecvTimeoutError> {
+    let start = Instant::now();
+    while start.elapsed() < WAIT_SPIN.min(timeout) {
+        match rx.try_recv() {
+            Ok(v) => return Ok(v),
+            Err(mpsc::TryRecvError::Disconnected) => {
+                return Err(mpsc::RecvTimeoutError::Disconnected)
+            }
+            Err(mpsc::TryRecvError::Empty) => std::thread::yield_now(),
+        }
+    }
+    rx.recv_timeout(timeout.saturating_sub(start.elapsed()))
 }
 
 /// A communication backend: the transport and algorithms behind a [`crate::ProcessGroup`].

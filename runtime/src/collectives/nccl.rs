@@ -1,13 +1,14 @@
 //! The NCCL backend, behind the `nccl` feature.
 //!
 //! Without the feature the type still exists and [`NcclBackend::new`] returns
-//! [`Error::NotCompiledWithNccl`], so code that selects a backend at run time compiles everywhere.
+//! [`Error::NotCompiledWithNccl`](crate::Error::NotCompiledWithNccl), so code that selects a
+//! backend at run time compiles everywhere.
 
 #[cfg(feature = "nccl")]
 mod imp;
 
 #[cfg(feature = "nccl")]
-pub use imp::NcclBackend;
+pub use imp::{NcclBackend, NCCL_LIBRARY_ENV};
 
 #[cfg(not(feature = "nccl"))]
 mod disabled {

@@ -179,15 +179,20 @@ int_arith!(i32);
 int_arith!(i64);
 int_arith!(u8);
 
-fn combine_typed<T: Arith>(op: ReduceOp, dst: &mut [T], src: &[T]) {
-    let f: fn(T, T) -> T = match op {
-        ReduceOp::Sum | ReduceOp::Avg => T::add,
-        ReduceOp::Prod => T::mul,
-        ReduceOp::Min => T::min,
-        ReduceOp::Max => T::max,
-    };
+#[inline(always)]
+fn zip_apply<T: Copy>(dst: &mut [T], src: &[T], f: impl Fn(T, T) -> T) {
     for (d, s) in dst.iter_mut().zip(src) {
         *d = f(*d, *s);
+    }
+}
+
+/// One monomorphised loop per operator, so the compiler can vectorise it.
+fn combine_typed<T: Arith>(op: ReduceOp, dst: &mut [T], src: &[T]) {
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => zip_apply(dst, src, T::add),
+        ReduceOp::Prod => zip_apply(dst, src, T::mul),
+        ReduceOp::Min => zip_apply(dst, src, T::min),
+        ReduceOp::Max => zip_apply(dst, src, T::max),
     }
 }
 
@@ -282,10 +287,15 @@ mod tests {
         combine(ReduceOp::Sum, DType::U8, &mut x, &[10, 4]);
         assert_eq!(x, vec![4, 7]);
         let mut y = vec![7i64, -9];
-        finish_avg(ReduceOp::Avg, DType::I64, bytemuck::cast_slice_mut(&mut y), 2);
+        finish_avg(
+            ReduceOp::Avg,
+            DType::I64,
+            bytemuck::cast_slice_mut(&mut y),
+            2,
+        );
         assert_eq!(y, vec![3, -4]);
         // Unaligned views give the same result.
-        let mut raw = vec![0u8; 9];
+        let mut raw = [0u8; 9];
         raw[1..5].copy_from_slice(&2.5f32.to_ne_bytes());
         let src = 1.5f32.to_ne_bytes();
         combine(ReduceOp::Prod, DType::F32, &mut raw[1..5], &src);

@@ -117,7 +117,11 @@ pub fn conformance<S: Store + 'static>(store: Arc<S>) -> Result<(), String> {
             missing.len() == 1 && missing[0].ends_with("conformance/late"),
             || format!("timeout must name only the missing key, named {missing:?}"),
         )?,
-        other => return Err(format!("wait on a missing key must time out, got {other:?}")),
+        other => {
+            return Err(format!(
+                "wait on a missing key must time out, got {other:?}"
+            ))
+        }
     }
     check(t0.elapsed() < Duration::from_secs(3), || {
         format!("a 200 ms wait took {:?}", t0.elapsed())
@@ -170,7 +174,9 @@ pub fn conformance<S: Store + 'static>(store: Arc<S>) -> Result<(), String> {
     ok(s.set("conformance/del/b/c", b"1"), "set")?;
     ok(s.set("conformance/delx", b"1"), "set")?;
     let n = ok(s.delete_prefix("conformance/del/"), "delete_prefix")?;
-    check(n == 2, || format!("delete_prefix must delete 2 keys, said {n}"))?;
+    check(n == 2, || {
+        format!("delete_prefix must delete 2 keys, said {n}")
+    })?;
     check(
         ok(s.get("conformance/del/a"), "get")?.is_none()
             && ok(s.get("conformance/del/b/c"), "get")?.is_none(),
