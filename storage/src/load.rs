@@ -153,11 +153,7 @@ impl<'a> TensorRef<'a> {
                 ),
             });
         }
-        let row_bytes = if rows == 0 {
-            0
-        } else {
-            self.bytes.len() / rows
-        };
+        let row_bytes = self.bytes.len().checked_div(rows).unwrap_or(0);
         let mut shape = self.shape.clone();
         shape[0] = len;
         Ok(TensorRef {

@@ -96,7 +96,9 @@ mod tests {
             keep_every: m,
         };
         let steps = [10, 20, 30, 40, 50];
-        let cases: &[(&[u64], Option<u64>, RetentionPolicy, &[u64])] = &[
+        /// (committed steps, newest valid, policy, steps to delete)
+        type Case<'a> = (&'a [u64], Option<u64>, RetentionPolicy, &'a [u64]);
+        let cases: &[Case] = &[
             (&steps, Some(50), p(2, None), &[10, 20, 30]),
             (&steps, Some(50), p(5, None), &[]),
             (&steps, Some(50), p(9, None), &[]),

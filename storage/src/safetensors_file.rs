@@ -138,7 +138,7 @@ pub fn parse_header(path: &Path, bytes: &[u8], file_len: u64) -> Result<Header> 
             }
             continue;
         }
-        tensors.push(parse_entry(&name, &entry).map_err(|reason| invalid(reason))?);
+        tensors.push(parse_entry(&name, &entry).map_err(&invalid)?);
     }
     tensors.sort_by_key(|t| t.data_offsets);
     let mut expected = 0u64;

@@ -11,7 +11,7 @@ use rekindle_runtime::store::{FileStore, InMemoryStore, Store};
 use rekindle_runtime::Device;
 use rekindle_storage::{
     CheckpointDir, Layout, LoadOptions, ShardCoordinator, Snapshot, StorageError, TensorDType,
-    TensorSource, Verify,
+    Verify,
 };
 
 const LAYERS: usize = 6;
