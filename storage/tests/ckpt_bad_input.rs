@@ -178,8 +178,16 @@ const CHILD_ENV: &str = "REKINDLE_STORAGE_TEST_CHILD";
 
 /// Runs this test binary's `test` in a child process with `env` set; returns whether it passed.
 fn run_child(test: &str, mode: &str, dir: &Path, uid: Option<u32>) -> bool {
+    use std::os::unix::fs::PermissionsExt;
     use std::os::unix::process::CommandExt;
-    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    // A copy of this binary in a world-readable temp dir, so an unprivileged child can run it
+    // wherever the build directory is.
+    let exe_dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(exe_dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let exe = exe_dir.path().join("child");
+    std::fs::copy(std::env::current_exe().unwrap(), &exe).unwrap();
+    std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mut cmd = Command::new(&exe);
     cmd.args(["--exact", test, "--nocapture", "--test-threads=1"])
         .env(CHILD_ENV, format!("{mode}:{}", dir.display()));
     if let Some(uid) = uid {
