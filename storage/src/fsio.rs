@@ -31,6 +31,23 @@ pub(crate) fn fsync_file(file: &File, path: &Path) -> Result<()> {
         .map_err(|e| StorageError::io("fsync", path, e))
 }
 
+/// Reserves `len` bytes for `file` up front, so a full disk fails the save before any data is
+/// copied and the filesystem can allocate the file in one extent. Filesystems without
+/// `fallocate` are fine: the writes allocate as they go.
+pub(crate) fn preallocate(file: &File, path: &Path, len: u64) -> Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: the descriptor is open; mode 0 only allocates blocks.
+    let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len as libc::off_t) };
+    if rc == 0 {
+        return Ok(());
+    }
+    let err = std::io::Error::last_os_error();
+    match err.raw_os_error() {
+        Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS) | Some(libc::EINVAL) => Ok(()),
+        _ => Err(StorageError::io("allocate", path, err)),
+    }
+}
+
 /// Asks the kernel to start writing `len` bytes at `offset` back to disk now, without waiting;
 /// the fsync that follows then has less left to do. Advisory: failures are ignored (the fsync
 /// reports real errors).

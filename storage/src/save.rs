@@ -108,14 +108,15 @@ fn write_file(
     let data_start = header.len() as u64;
     // Copy into the page cache on two cores, starting writeback of each tensor as soon as it
     // is written; then hash on every core while the fsync waits for the disk.
-    let mut file = fsio::create_new(&path)?;
-    fsio::write_all(&mut file, &path, &header)?;
     let mut at = Vec::with_capacity(list.len());
     let mut offset = data_start;
     for (_, t) in &list {
         at.push(offset);
         offset += t.size_in_bytes() as u64;
     }
+    let mut file = fsio::create_new(&path)?;
+    fsio::preallocate(&file, &path, offset)?;
+    fsio::write_all(&mut file, &path, &header)?;
     let half = list.len().div_ceil(2);
     write_parallel(&file, &path, &list[..half], &at[..half])?;
     hit("storage::save::file_partial")?;
