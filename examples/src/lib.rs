@@ -1,1 +1,2 @@
 //! Shared helpers of the example programs.
+pub mod mlp;

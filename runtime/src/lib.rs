@@ -10,10 +10,13 @@
 
 pub mod buffer;
 pub mod collectives;
+pub mod ddp;
 pub mod device;
 pub mod dtype;
 pub mod error;
+pub mod optim;
 pub mod process_group;
+pub mod sampler;
 pub mod secret;
 pub mod store;
 
