@@ -25,7 +25,9 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run a training program on this node: rendezvous, start workers, restart on failure.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
+    /// Inspect checkpoints: `ls`, `inspect`, `verify` (from rekindle-storage).
+    Ckpt(rekindle_storage::cli::CkptArgs),
 }
 
 /// The rendezvous backends.
@@ -408,6 +410,20 @@ impl RunArgs {
     }
 }
 
+/// Runs `rekindle ckpt ...` and returns the process exit code: 0 success, 1 a checkpoint did
+/// not verify, 2 the command could not run.
+pub fn ckpt(args: &rekindle_storage::cli::CkptArgs) -> i32 {
+    let mut out = std::io::stdout().lock();
+    match rekindle_storage::cli::run_to(args, &mut out) {
+        Ok(o) => i32::from(o.code()),
+        Err(e) => {
+            let _ = std::io::Write::flush(&mut out);
+            eprintln!("rekindle ckpt: {e}");
+            exit_code::USAGE
+        }
+    }
+}
+
 /// Runs `rekindle run` and returns the process exit code (see [`exit_code`]).
 pub fn run(args: &RunArgs) -> i32 {
     let cfg = match args.to_config() {
@@ -452,7 +468,8 @@ mod tests {
         let mut full = vec!["rekindle", "run"];
         full.extend_from_slice(v);
         Cli::try_parse_from(full).map(|c| match c.command {
-            Command::Run(a) => a,
+            Command::Run(a) => *a,
+            Command::Ckpt(_) => panic!("not a run command"),
         })
     }
 

@@ -310,3 +310,14 @@ fn missing_program_is_an_agent_error() {
         a.output()
     );
 }
+
+#[test]
+fn ckpt_subcommand_is_mounted() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut a = AgentProc::spawn(&["ckpt", "ls", dir.path().to_str().unwrap()], &[]);
+    assert_eq!(a.wait_code(T), 0, "{}", a.output());
+    let missing = dir.path().join("missing");
+    let mut a = AgentProc::spawn(&["ckpt", "verify", missing.to_str().unwrap()], &[]);
+    assert_eq!(a.wait_code(T), 2, "{}", a.output());
+    assert!(a.output().contains("rekindle ckpt:"), "{}", a.output());
+}

@@ -15,6 +15,7 @@ fn main() {
     let cli = Cli::parse();
     let code = match &cli.command {
         Command::Run(args) => cli::run(args),
+        Command::Ckpt(args) => cli::ckpt(args),
     };
     std::process::exit(code);
 }
