@@ -4,35 +4,10 @@
 mod common;
 
 use common::{run_ranks, WAIT};
+use rekindle_runtime::collectives::check::{reduce_expected, reduce_input, value};
 use rekindle_runtime::{segment, Buffer, DType, ProcessGroup, ReduceOp, TcpOptions};
 
 const SIZES: [usize; 4] = [0, 1, 7, 1003];
-
-/// The value rank `r` holds at element `i` for data-movement ops (exact in every dtype).
-fn value(r: usize, i: usize) -> f64 {
-    ((r * 31 + i) % 97) as f64
-}
-
-/// The input of rank `r` for a reduction with `op`, and the expected reduction over `n` ranks.
-fn reduce_input(op: ReduceOp, r: usize, i: usize) -> f64 {
-    match op {
-        ReduceOp::Prod => 1.0 + ((r + i) % 2) as f64,
-        _ => ((r + 1) * (i % 7 + 1)) as f64,
-    }
-}
-
-fn reduce_expected(op: ReduceOp, dtype: DType, n: usize, i: usize) -> f64 {
-    let k = (i % 7 + 1) as f64;
-    let sum = k * (n * (n + 1) / 2) as f64;
-    match op {
-        ReduceOp::Sum => sum,
-        ReduceOp::Prod => (0..n).map(|r| 1.0 + ((r + i) % 2) as f64).product(),
-        ReduceOp::Min => k,
-        ReduceOp::Max => k * n as f64,
-        ReduceOp::Avg if dtype.is_float() => sum / n as f64,
-        ReduceOp::Avg => (sum as i64 / n as i64) as f64,
-    }
-}
 
 fn assert_bits(what: &str, got: &Buffer, want: &Buffer) {
     assert_eq!(got.dtype(), want.dtype(), "{what}: dtype");

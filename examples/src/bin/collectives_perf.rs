@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
+use rekindle_runtime::collectives::check::{reduce_expected, reduce_input, value};
 use rekindle_runtime::store::{FileStore, Store};
 use rekindle_runtime::{
     segment, Buffer, DType, GroupConfig, JobSecret, ProcessGroup, ReduceOp, TcpOptions,
@@ -167,30 +168,10 @@ fn main() -> Result<()> {
 fn input(op: &str, dtype: DType, redop: ReduceOp, rank: usize, len: usize) -> Buffer {
     match op {
         "all_reduce" | "reduce" | "reduce_scatter" => {
-            Buffer::from_fn(dtype, len, |i| match redop {
-                ReduceOp::Prod => 1.0 + ((rank + i) % 2) as f64,
-                _ => ((rank + 1) * (i % 7 + 1)) as f64,
-            })
+            Buffer::from_fn(dtype, len, |i| reduce_input(redop, rank, i))
         }
-        _ => Buffer::from_fn(dtype, len, |i| ((rank * 31 + i) % 97) as f64),
+        _ => Buffer::from_fn(dtype, len, |i| value(rank, i)),
     }
-}
-
-fn reduced(dtype: DType, redop: ReduceOp, n: usize, i: usize) -> f64 {
-    let k = (i % 7 + 1) as f64;
-    let sum = k * (n * (n + 1) / 2) as f64;
-    match redop {
-        ReduceOp::Sum => sum,
-        ReduceOp::Prod => (0..n).map(|r| 1.0 + ((r + i) % 2) as f64).product(),
-        ReduceOp::Min => k,
-        ReduceOp::Max => k * n as f64,
-        ReduceOp::Avg if dtype.is_float() => sum / n as f64,
-        ReduceOp::Avg => (sum as i64 / n as i64) as f64,
-    }
-}
-
-fn value(r: usize, i: usize) -> f64 {
-    ((r * 31 + i) % 97) as f64
 }
 
 /// Elements per rank buffer for an op whose largest buffer is `bytes`.
@@ -261,20 +242,20 @@ fn run_once(
     match op {
         "all_reduce" => {
             let got = pg.all_reduce(buf, redop).wait(wait)?;
-            cmp(&got, &|i| reduced(dtype, redop, n, i));
+            cmp(&got, &|i| reduce_expected(redop, dtype, n, i));
             reuse = (Some(got), Some(rbuf));
         }
         "reduce" => {
             let got = pg.reduce(buf, redop, 0).wait(wait)?;
             if rank == 0 {
-                cmp(&got, &|i| reduced(dtype, redop, n, i));
+                cmp(&got, &|i| reduce_expected(redop, dtype, n, i));
             }
             reuse = (Some(got), Some(rbuf));
         }
         "reduce_scatter" => {
             let got = pg.reduce_scatter_into(buf, redop, rbuf).wait(wait)?;
             let s = segment(count, n, rank);
-            cmp(&got, &|t| reduced(dtype, redop, n, s.start + t));
+            cmp(&got, &|t| reduce_expected(redop, dtype, n, s.start + t));
             reuse.1 = Some(got);
         }
         "broadcast" => {

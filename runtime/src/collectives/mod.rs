@@ -9,6 +9,7 @@
 //! `count / n + (i < count % n)` elements, so any count works, including 0 and counts not
 //! divisible by the world size.
 
+pub mod check;
 pub mod nccl;
 pub mod reduce;
 pub mod tcp;
