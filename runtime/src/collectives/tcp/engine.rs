@@ -167,6 +167,16 @@ impl Plan {
             || self.outs.iter().any(|l| l.peer == peer)
     }
 
+    /// Registers the plan's own padding buffer (zeros to send, scratch to receive into).
+    fn pad_region(&mut self) -> usize {
+        let bytes = self.pad.as_bytes_mut();
+        self.regions.push(Region {
+            ptr: bytes.as_mut_ptr(),
+            len: bytes.len(),
+        });
+        self.regions.len() - 1
+    }
+
     /// Registers a buffer; the returned id names it in items.
     pub(crate) fn region(&mut self, buf: &mut Buffer) -> usize {
         let bytes = buf.as_bytes_mut();
@@ -589,12 +599,7 @@ impl Mesh {
         }
         // Lanes through shared memory end on an 8-byte boundary, so every element in a ring
         // is aligned for its dtype and a wrap never splits one.
-        let pad = plan.region(&mut Buffer::U8(Vec::new()));
-        let pad_ptr = plan.pad.as_bytes_mut().as_mut_ptr();
-        plan.regions[pad] = Region {
-            ptr: pad_ptr,
-            len: 16,
-        };
+        let pad = plan.pad_region();
         for i in 0..plan.outs.len() {
             if self.is_shm(plan.outs[i].peer) {
                 let total: usize =
@@ -614,6 +619,8 @@ impl Mesh {
         let mut shm_wait_in: Vec<usize> = Vec::new();
         let mut shm_wait_out: Vec<usize> = Vec::new();
         let mut fds: Vec<libc::pollfd> = Vec::with_capacity(2 * self.world);
+        let mut want_read = vec![false; self.world];
+        let mut want_write = vec![false; self.world];
         self.read_control();
         if let Some(e) = self.liveness_error(plan, op) {
             return Err(e);
@@ -623,8 +630,8 @@ impl Mesh {
                 return Err(Error::Aborted { rank: self.rank });
             }
             let mut progressed = false;
-            let mut want_read = vec![false; self.world];
-            let mut want_write = vec![false; self.world];
+            want_read.fill(false);
+            want_write.fill(false);
             shm_wait_in.clear();
             shm_wait_out.clear();
             for l in plan.ins.iter_mut() {
