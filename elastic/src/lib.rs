@@ -7,6 +7,8 @@
 //!   backends (etcd leases, transactions and watches; or any store);
 //! - [`membership`]: peer lost / node waiting / new round / job closed, for training loops
 //!   and for workers;
+//! - [`train`]: the elastic training loop ([`train::init`], [`train::Trainer`]): re-forms
+//!   the group on failure, keeps survivors' state, resumes from checkpoints;
 //! - [`agent`] and [`cli`]: `rekindle run`; [`errorfile`]: how workers report failures.
 //!
 //! A two-node round on the embedded store, as two agents on one host would form it:
@@ -45,3 +47,4 @@ pub mod rendezvous;
 pub mod store;
 #[cfg(feature = "test-etcd")]
 pub mod testing;
+pub mod train;

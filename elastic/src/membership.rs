@@ -55,6 +55,22 @@ pub enum MembershipEvent {
         /// The round.
         round: u64,
     },
+    /// The agent re-formed its node into a new round without stopping its workers (they use
+    /// the elastic loop): each worker's new rank is `rank_base + LOCAL_RANK`.
+    Assigned {
+        /// The round the workers were in.
+        round: u64,
+        /// The new round.
+        new_round: u64,
+        /// The global rank of this node's local rank 0.
+        rank_base: usize,
+        /// The new world size.
+        world_size: usize,
+        /// The new round's store, `host:port`.
+        store: String,
+        /// The new round's key prefix in that store.
+        store_prefix: String,
+    },
 }
 
 impl MembershipEvent {
@@ -64,6 +80,7 @@ impl MembershipEvent {
             MembershipEvent::PeerLost { round, .. }
             | MembershipEvent::NodeWaiting { round, .. }
             | MembershipEvent::NewRound { round, .. }
+            | MembershipEvent::Assigned { round, .. }
             | MembershipEvent::JobClosed { round } => *round,
         }
     }
@@ -256,6 +273,11 @@ impl MembershipPublisher {
         }
     }
 
+    /// The index the next event will get.
+    pub fn next_index(&self) -> u64 {
+        self.next
+    }
+
     /// Appends `ev` as the next key.
     pub fn publish(&mut self, ev: &MembershipEvent) -> StoreResult<()> {
         let body = serde_json::to_vec(ev).map_err(|e| StoreError::Backend {
@@ -306,6 +328,16 @@ impl WorkerMembership {
             prefix: prefix.to_string(),
             next: 0,
         }
+    }
+
+    /// Starts reading at event `next` (a restarted worker skips what its predecessor read).
+    pub fn skip_to(&mut self, next: u64) {
+        self.next = next;
+    }
+
+    /// The index of the next event to read.
+    pub fn next_index(&self) -> u64 {
+        self.next
     }
 
     fn parse(&mut self, raw: &[u8]) -> StoreResult<MembershipEvent> {

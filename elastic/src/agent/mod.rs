@@ -30,6 +30,7 @@ use crate::rendezvous::{
     RendezvousBackend, RendezvousError, RendezvousHandler, RendezvousInfo, Settings, StoreBackend,
 };
 use crate::store::{ServerError, TcpStoreClient, TcpStoreServer};
+use crate::train::{ELASTIC_KEY_ENV, LOCAL_ADDR_ENV, MEMBERSHIP_NEXT_ENV};
 use worker::{describe, Event, Worker, WorkerSpec};
 
 /// The agent's exit codes (also those of `rekindle run`).
@@ -577,9 +578,60 @@ impl Agent {
         }
     }
 
+    /// The key prefix of round `round` in the round's store.
+    fn round_prefix(&self, round: u64) -> String {
+        format!("/rekindle/{}/r{round}/", self.job)
+    }
+
+    /// The key a worker using the elastic loop sets in the agent's store (see
+    /// [`ELASTIC_KEY_ENV`]).
+    fn elastic_key(&self, attempt: u32, local_rank: usize) -> String {
+        format!("/rekindle/{}/elastic/{attempt}/{local_rank}", self.job)
+    }
+
+    /// True if the worker at `local_rank` said it recovers in place.
+    fn is_elastic(&self, attempt: u32, local_rank: usize) -> bool {
+        matches!(
+            self.agent_store.get(&self.elastic_key(attempt, local_rank)),
+            Ok(Some(_))
+        )
+    }
+
+    /// Starts a replacement for the worker at `local_rank`, with the current round's
+    /// environment; it reads membership events from index `membership_next` on.
+    fn restart_worker(
+        &self,
+        round: &Round,
+        attempt: u32,
+        restarts: u32,
+        local_rank: usize,
+        membership_next: u64,
+    ) -> Result<Worker, AgentError> {
+        let mut specs = self.worker_specs(round, attempt, restarts);
+        let mut spec = specs.swap_remove(local_rank);
+        spec.dir = self
+            .log_root
+            .join(format!("attempt_{attempt}"))
+            .join(format!("{local_rank}.restart{restarts}"));
+        spec.error_file = spec.dir.join("error.json");
+        let ef = spec.error_file.display().to_string();
+        for (k, v) in &mut spec.env {
+            if k == MEMBERSHIP_NEXT_ENV {
+                *v = membership_next.to_string();
+            } else if k == ERROR_FILE_ENV || k == TORCHELASTIC_ERROR_FILE_ENV {
+                *v = ef.clone();
+            }
+        }
+        worker::spawn(&spec, self.tx.clone()).map_err(|source| AgentError::Spawn {
+            local_rank,
+            program: spec.argv[0].clone(),
+            source,
+        })
+    }
+
     fn worker_specs(&self, round: &Round, attempt: u32, restarts: u32) -> Vec<WorkerSpec> {
         let nproc = self.cfg.nproc_per_node as usize;
-        let prefix = format!("/rekindle/{}/r{}/", self.job, round.round);
+        let prefix = self.round_prefix(round.round);
         let membership_prefix = format!("/rekindle/{}/membership/{attempt}/", self.job);
         (0..nproc)
             .map(|local| {
@@ -629,6 +681,9 @@ impl Agent {
                     ("REKINDLE_STORE_PREFIX", prefix.clone()),
                     (AGENT_STORE_ENV, self.agent_store_addr.clone()),
                     (MEMBERSHIP_PREFIX_ENV, membership_prefix.clone()),
+                    (MEMBERSHIP_NEXT_ENV, "0".to_string()),
+                    (ELASTIC_KEY_ENV, self.elastic_key(attempt, local)),
+                    (LOCAL_ADDR_ENV, self.node.host.clone()),
                 ]
                 .into_iter()
                 .map(|(k, v)| (k.to_string(), v))
@@ -675,7 +730,7 @@ impl Agent {
         let mut attempt: u32 = 0;
         let mut restarts: u32 = 0;
         loop {
-            let round = match self.next_round(attempt) {
+            let mut round = match self.next_round(attempt) {
                 Ok(Ok(r)) => r,
                 Ok(Err(signal)) => return Ok(AgentOutcome::Signalled { signal }),
                 Err(RendezvousError::Closed { job }) => {
@@ -706,8 +761,23 @@ impl Agent {
                 self.agent_store.clone(),
                 &format!("/rekindle/{}/membership/{attempt}/", self.job),
             );
-            let end = self.monitor(&mut workers, &round, &mut publisher);
+            let end = self.monitor(
+                &mut workers,
+                &mut round,
+                &mut publisher,
+                attempt,
+                &mut restarts,
+            );
             match end {
+                AttemptEnd::Closed(job) => {
+                    eprintln!("rekindle: job {job:?} finished while this node re-formed");
+                    worker::stop_all(&mut workers, &self.events, self.cfg.grace_period, |_| {});
+                    return Ok(AgentOutcome::AlreadyFinished { job });
+                }
+                AttemptEnd::RendezvousFailed(e) => {
+                    worker::stop_all(&mut workers, &self.events, self.cfg.grace_period, |_| {});
+                    return Err(e.into());
+                }
                 AttemptEnd::Succeeded => {
                     self.linger_for_peers(&round);
                     if let Rdzv::Dynamic { handler } = &self.rdzv {
@@ -810,13 +880,20 @@ impl Agent {
         }
     }
 
+    /// Watches the workers and the membership until the attempt ends. Workers that use the
+    /// elastic loop (they set their [`ELASTIC_KEY_ENV`] key) are recovered in place: a failed
+    /// one is restarted alone, and on a membership change the node re-joins the rendezvous
+    /// while they keep training, then tells them their new ranks ([`MembershipEvent::Assigned`]).
     fn monitor(
         &self,
         workers: &mut [Worker],
-        round: &Round,
+        round: &mut Round,
         publisher: &mut MembershipPublisher,
+        attempt: u32,
+        restarts: &mut u32,
     ) -> AttemptEnd {
         let interval = self.cfg.monitor_interval.max(Duration::from_millis(10));
+        let mut reforming = false;
         loop {
             match self.events.recv_timeout(interval) {
                 Ok(Event::Exited {
@@ -824,15 +901,45 @@ impl Agent {
                     status,
                     at,
                 }) => {
-                    if let Some(w) = workers.iter_mut().find(|w| w.local_rank == local_rank) {
-                        w.exit = Some((status, at));
-                        if !status.success() {
-                            eprintln!(
-                                "rekindle: rank {} (local rank {local_rank}) exited with {}",
-                                w.global_rank,
-                                describe(&status)
-                            );
+                    let Some(i) = workers
+                        .iter()
+                        .position(|w| w.local_rank == local_rank && w.exit.is_none())
+                    else {
+                        continue;
+                    };
+                    workers[i].exit = Some((status, at));
+                    if !status.success() {
+                        eprintln!(
+                            "rekindle: rank {} (local rank {local_rank}) exited with {}",
+                            workers[i].global_rank,
+                            describe(&status)
+                        );
+                        if !self.is_elastic(attempt, local_rank)
+                            || *restarts >= self.cfg.max_restarts
+                        {
                             return AttemptEnd::Failed;
+                        }
+                        *restarts += 1;
+                        match self.restart_worker(
+                            round,
+                            attempt,
+                            *restarts,
+                            local_rank,
+                            publisher.next_index(),
+                        ) {
+                            Ok(w) => {
+                                eprintln!(
+                                    "rekindle: restarting rank {} alone (restart {} of {}); \
+                                     the other ranks keep their state",
+                                    w.global_rank, restarts, self.cfg.max_restarts
+                                );
+                                workers[i] = w;
+                                continue;
+                            }
+                            Err(e) => {
+                                eprintln!("rekindle: {e}");
+                                return AttemptEnd::Failed;
+                            }
                         }
                     }
                     if workers.iter().all(|w| w.exit.is_some()) {
@@ -840,18 +947,78 @@ impl Agent {
                     }
                 }
                 Ok(Event::Signal(s)) => return AttemptEnd::Signal(s),
+                Ok(Event::Rendezvous(r)) if reforming => {
+                    reforming = false;
+                    match *r {
+                        Ok(info) => {
+                            let membership = match &self.rdzv {
+                                Rdzv::Dynamic { handler } => handler.membership().ok(),
+                                Rdzv::Static { .. } => None,
+                            };
+                            let new = round_from_info(&info, &self.node, membership);
+                            let ev = MembershipEvent::Assigned {
+                                round: round.round,
+                                new_round: new.round,
+                                rank_base: new.rank_base,
+                                world_size: new.world_size,
+                                store: format!("{}:{}", new.master_addr, new.master_port),
+                                store_prefix: self.round_prefix(new.round),
+                            };
+                            if let Err(e) = publisher.publish(&ev) {
+                                tracing::warn!(error = %e, "cannot tell the workers their new ranks");
+                            }
+                            eprintln!(
+                                "rekindle: re-formed into round {} (node {} of {}, ranks {}..{} \
+                                 of {}) without stopping the workers",
+                                new.round,
+                                new.node_rank,
+                                new.nnodes,
+                                new.rank_base,
+                                new.rank_base + workers.len(),
+                                new.world_size
+                            );
+                            *round = new;
+                        }
+                        Err(RendezvousError::Closed { job }) => return AttemptEnd::Closed(job),
+                        Err(e) => return AttemptEnd::RendezvousFailed(e),
+                    }
+                }
                 Ok(Event::Rendezvous(_)) => {}
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => return AttemptEnd::Signal(libc::SIGTERM),
+            }
+            if reforming {
+                continue;
             }
             if let Some(m) = &round.membership {
                 while let Some(ev) = m.poll() {
                     if let Err(e) = publisher.publish(&ev) {
                         tracing::warn!(error = %e, "cannot publish a membership event to the workers");
                     }
-                    if ev.needs_reform() {
+                    if !ev.needs_reform() {
+                        continue;
+                    }
+                    let live_elastic = workers
+                        .iter()
+                        .filter(|w| w.exit.is_none())
+                        .all(|w| self.is_elastic(attempt, w.local_rank));
+                    let Rdzv::Dynamic { handler } = &self.rdzv else {
+                        return AttemptEnd::Reform(ev);
+                    };
+                    if !live_elastic {
                         return AttemptEnd::Reform(ev);
                     }
+                    tracing::info!(job = %self.job, event = ?ev, "membership changed: re-forming with the workers running");
+                    eprintln!(
+                        "rekindle: membership changed ({ev:?}); re-forming while the workers train"
+                    );
+                    let (h, tx) = (handler.clone(), self.tx.clone());
+                    std::thread::spawn(move || {
+                        let r = h.next_rendezvous();
+                        let _ = tx.send(Event::Rendezvous(Box::new(r)));
+                    });
+                    reforming = true;
+                    break;
                 }
             }
         }
@@ -860,6 +1027,8 @@ impl Agent {
 
 enum AttemptEnd {
     Succeeded,
+    Closed(String),
+    RendezvousFailed(RendezvousError),
     Failed,
     Reform(MembershipEvent),
     Signal(i32),

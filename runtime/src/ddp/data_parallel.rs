@@ -77,11 +77,50 @@ impl Ddp {
         Self::from_vars(named, pg, options)
     }
 
+    /// [`Ddp::new`] with the parameters broadcast from `root` instead of rank 0: for a group
+    /// re-formed after a failure, where the rank whose state survives need not be rank 0.
+    pub fn with_root(
+        varmap: &VarMap,
+        pg: ProcessGroup,
+        options: DdpOptions,
+        root: usize,
+    ) -> DdpResult<Self> {
+        let rank = pg.rank();
+        if root >= pg.world_size() {
+            return Err(DdpError::InvalidArgument {
+                rank,
+                reason: format!(
+                    "root {root} is not a rank of a group of {}",
+                    pg.world_size()
+                ),
+            });
+        }
+        let named: Vec<(String, Var)> = match varmap.data().lock() {
+            Ok(map) => map.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            Err(_) => {
+                return Err(DdpError::InvalidArgument {
+                    rank,
+                    reason: "the VarMap's lock is poisoned".into(),
+                })
+            }
+        };
+        Self::build(named, pg, options, root)
+    }
+
     /// A replica over named variables (any order; they are sorted by name). See [`Ddp::new`].
     pub fn from_vars(
+        named: Vec<(String, Var)>,
+        pg: ProcessGroup,
+        options: DdpOptions,
+    ) -> DdpResult<Self> {
+        Self::build(named, pg, options, 0)
+    }
+
+    fn build(
         mut named: Vec<(String, Var)>,
         pg: ProcessGroup,
         options: DdpOptions,
+        root: usize,
     ) -> DdpResult<Self> {
         let rank = pg.rank();
         named.sort_by(|a, b| a.0.cmp(&b.0));
@@ -125,7 +164,7 @@ impl Ddp {
             pending: 0,
         };
         ddp.check_layout()?;
-        ddp.broadcast_parameters(0)?;
+        ddp.broadcast_parameters(root)?;
         Ok(ddp)
     }
 

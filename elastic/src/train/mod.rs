@@ -1,0 +1,229 @@
+//! The elastic training loop: what a DDP program calls to keep training while ranks die,
+//! hang, are preempted or come back.
+//!
+//! ```no_run
+//! use candle_nn::VarMap;
+//! use rekindle_elastic::train::{self, ElasticOptions, StepOutput, Trainer};
+//! use rekindle_runtime::optim::{Sgd, SgdConfig};
+//! use rekindle_runtime::sampler::ElasticConfig;
+//! # fn model_loss(_: &[usize]) -> anyhow::Result<(candle_core::backprop::GradStore, f32)> { todo!() }
+//! # fn main() -> anyhow::Result<()> {
+//! let worker = train::init()?; // RANK, WORLD_SIZE, the job's store: what `rekindle run` set
+//! let varmap = VarMap::new(); // ... the model's variables, seeded
+//! let optimizer = Sgd::new(SgdConfig::new(0.05).momentum(0.9), train::param_specs(&varmap)?)?;
+//! let data = ElasticConfig::new(60_000, 512).seed(7);
+//! let mut options = ElasticOptions::default();
+//! options.checkpoint_dir = Some("ckpt".into());
+//! options.checkpoint_every = 50;
+//! let mut trainer = Trainer::new(worker, varmap, Box::new(optimizer), data, options)?;
+//! let summary = trainer.run(1_000, |input| {
+//!     let (grads, loss) = model_loss(input.indices)?;
+//!     Ok::<_, anyhow::Error>(StepOutput::new(grads, input.indices.len()).with_loss(loss))
+//! })?;
+//! println!("final_step={}", summary.step);
+//! # Ok(()) }
+//! ```
+//!
+//! What [`Trainer::run`] does, per rank:
+//! 1. **Restore**: the newest valid checkpoint of `checkpoint_dir`, if any (a whole-job
+//!    restart resumes there).
+//! 2. **Form** a group with the other ranks of the round ([`form`]): a generation number in
+//!    the job's store; a rank that was a member of the current generation (it failed, or it
+//!    replaces a process that was) opens the next one, and everyone waits until every rank
+//!    of the round has joined it. Then the TCP group is built under a store prefix unique to
+//!    (round, generation).
+//! 3. **Sync**: the rank with the newest state (the highest step; the lowest rank on ties)
+//!    broadcasts parameters, optimizer state, sampler cursor and step to all: a replacement
+//!    rank receives the survivors' live state, a fresh job rank 0's.
+//! 4. **Train**: each step takes this rank's share of the global batch from the
+//!    [`ElasticSampler`] at the global cursor, runs the step function, all-reduces the
+//!    gradients ([`Ddp`], atomic steps), and every `checkpoint_every` steps rank 0 commits a
+//!    checkpoint in the background.
+//! 5. **Recover**: when a collective fails (a peer died, hung past the operation deadline,
+//!    or left), the group is aborted and the interrupted step discarded (atomic steps leave
+//!    the state untouched), and the rank goes back to 2. When the agent re-forms the node
+//!    into a new round (a node joined or was lost), the rank moves there at the next step
+//!    boundary, with its new rank and world size, and resharding follows from the cursor.
+//! 6. **Preemption**: on SIGTERM or SIGINT the rank stops at the next step boundary; local
+//!    rank 0 of each node commits a checkpoint of the current state, and `run` returns
+//!    [`RunEnd::Preempted`].
+//!
+//! With a fixed world size the result does not depend on the faults: a run whose ranks are
+//! killed and replaced ends with parameters bit-identical to an undisturbed run.
+//!
+//! [`ElasticSampler`]: rekindle_runtime::sampler::ElasticSampler
+//! [`Ddp`]: rekindle_runtime::ddp::Ddp
+
+mod env;
+pub mod form;
+mod progress;
+mod signal;
+mod trainer;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use candle_nn::VarMap;
+use rekindle_runtime::ddp::DdpOptions;
+use rekindle_runtime::optim::ParamSpec;
+use rekindle_runtime::TcpOptions;
+
+pub use env::{Assignment, WorkerEnv, ELASTIC_KEY_ENV, LOCAL_ADDR_ENV, MEMBERSHIP_NEXT_ENV};
+pub use trainer::{RunEnd, RunSummary, StepInput, StepOutput, Trainer};
+
+/// Reads this worker's place in the job from the environment `rekindle run` sets (see
+/// [`WorkerEnv::from_env`]); a process started by hand is a job of one rank.
+pub fn init() -> Result<WorkerEnv, TrainError> {
+    WorkerEnv::from_env()
+}
+
+/// The parameters of `varmap` sorted by name, as the optimizer given to [`Trainer::new`]
+/// must be built over them.
+pub fn param_specs(varmap: &VarMap) -> Result<Vec<ParamSpec>, TrainError> {
+    let vars = varmap.data().lock().map_err(|_| TrainError::Config {
+        reason: "the VarMap's lock is poisoned".into(),
+    })?;
+    let mut specs: Vec<ParamSpec> = vars
+        .iter()
+        .map(|(n, v)| ParamSpec::new(n.clone(), v.dims()))
+        .collect();
+    specs.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(specs)
+}
+
+/// Settings of the elastic loop.
+#[derive(Debug, Clone)]
+pub struct ElasticOptions {
+    /// Where checkpoints go and where a restart resumes from (`None`: no checkpoints).
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Rank 0 commits a checkpoint (in the background) every this many steps; 0: only at the
+    /// end and on preemption.
+    pub checkpoint_every: u64,
+    /// Checkpoints kept (the newest valid one is never deleted). Default 3.
+    pub keep_checkpoints: usize,
+    /// DDP settings (buckets, step mode). The step mode must stay `Atomic` for live recovery.
+    pub ddp: DdpOptions,
+    /// TCP backend settings.
+    pub tcp: TcpOptions,
+    /// Deadline of each collective: a peer silent for longer is treated as lost. Default 30 s.
+    pub op_timeout: Duration,
+    /// Deadline for building the group once every rank has joined. Default 30 s.
+    pub bootstrap_timeout: Duration,
+    /// How long a rank waits for the group to re-form (a lost rank to be restarted, or the
+    /// agent to re-form the round) before giving up. Default 300 s.
+    pub rejoin_timeout: Duration,
+    /// Show a progress bar on rank 0 (drawn only when stderr is a terminal). Default true.
+    pub progress: bool,
+    /// Rank 0 appends `step,epoch,loss,samples_per_s,world_size,unix_time` per step here.
+    pub loss_csv: Option<PathBuf>,
+    /// Check every this many steps that the ranks' parameters are bit-identical; 0: never.
+    pub check_parameters_every: u64,
+    /// Stop at the next step boundary on SIGTERM/SIGINT (and checkpoint). Default true.
+    pub handle_signals: bool,
+}
+
+impl Default for ElasticOptions {
+    fn default() -> Self {
+        ElasticOptions {
+            checkpoint_dir: None,
+            checkpoint_every: 0,
+            keep_checkpoints: 3,
+            ddp: DdpOptions::default(),
+            tcp: TcpOptions::default(),
+            op_timeout: Duration::from_secs(30),
+            bootstrap_timeout: Duration::from_secs(30),
+            rejoin_timeout: Duration::from_secs(300),
+            progress: true,
+            loss_csv: None,
+            check_parameters_every: 0,
+            handle_signals: true,
+        }
+    }
+}
+
+/// Why the elastic loop stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    /// The environment or the options are invalid.
+    #[error("invalid elastic-training setup: {reason}")]
+    Config {
+        /// What is wrong.
+        reason: String,
+    },
+    /// An environment variable has a bad value.
+    #[error("environment variable {name}={value:?}: {reason}")]
+    Env {
+        /// The variable.
+        name: &'static str,
+        /// Its value.
+        value: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The job's store failed.
+    #[error("rank {rank}: the job store failed during {during}: {source}")]
+    Store {
+        /// This rank.
+        rank: usize,
+        /// What the loop was doing.
+        during: &'static str,
+        /// The store's error.
+        #[source]
+        source: rekindle_runtime::store::StoreError,
+    },
+    /// The group did not re-form within `rejoin_timeout`.
+    #[error(
+        "rank {rank}: the group of round {round} did not re-form within {waited:?} \
+         (generation {generation}, ranks still missing: {missing:?})"
+    )]
+    RejoinTimeout {
+        /// This rank.
+        rank: usize,
+        /// The round.
+        round: u64,
+        /// The generation waited for.
+        generation: u64,
+        /// How long it waited.
+        waited: Duration,
+        /// The ranks that never joined.
+        missing: Vec<usize>,
+    },
+    /// The step function failed (not a collective: the program's own error).
+    #[error("rank {rank}: the step function failed at step {step}: {source}")]
+    Step {
+        /// This rank.
+        rank: usize,
+        /// The step.
+        step: u64,
+        /// The program's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The model, optimizer or sampler refused the state (a program error, not a fault).
+    #[error("rank {rank}: {what}: {reason}")]
+    State {
+        /// This rank.
+        rank: usize,
+        /// What was being done.
+        what: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
+    /// Reading or writing a checkpoint failed.
+    #[error("rank {rank}: checkpoint: {source}")]
+    Checkpoint {
+        /// This rank.
+        rank: usize,
+        /// The storage error.
+        #[source]
+        source: rekindle_storage::StorageError,
+    },
+    /// Writing the loss CSV failed.
+    #[error("cannot write the loss CSV {path}: {source}")]
+    LossCsv {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+}
