@@ -894,7 +894,9 @@ impl Agent {
     ) -> AttemptEnd {
         let interval = self.cfg.monitor_interval.max(Duration::from_millis(10));
         let mut reforming = false;
+        let mut evictions = Evictions::default();
         loop {
+            evictions.check(self, workers, round, interval);
             match self.events.recv_timeout(interval) {
                 Ok(Event::Exited {
                     local_rank,
@@ -1019,6 +1021,52 @@ impl Agent {
                     });
                     reforming = true;
                     break;
+                }
+            }
+        }
+    }
+}
+
+/// Requests from the elastic loop to kill a worker that stopped responding (see
+/// `train::form::evict_key`): read from the round's store every monitor interval.
+#[derive(Default)]
+struct Evictions {
+    store: Option<(u64, TcpStoreClient)>,
+    last: Option<Instant>,
+}
+
+impl Evictions {
+    fn check(&mut self, agent: &Agent, workers: &[Worker], round: &Round, interval: Duration) {
+        if self.last.is_some_and(|t| t.elapsed() < interval) {
+            return;
+        }
+        self.last = Some(Instant::now());
+        if self.store.as_ref().map(|(r, _)| *r) != Some(round.round) {
+            let master = format!("{}:{}", round.master_addr, round.master_port);
+            self.store = TcpStoreClient::connect_with_timeout(&master, Duration::from_secs(2))
+                .ok()
+                .map(|c| (round.round, c));
+        }
+        let Some((_, store)) = &self.store else {
+            return;
+        };
+        let prefix = agent.round_prefix(round.round);
+        for w in workers.iter().filter(|w| w.exit.is_none()) {
+            let key = format!(
+                "{prefix}{}",
+                crate::train::form::evict_key(&agent.node.id, w.pid as u32)
+            );
+            if let Ok(Some(by)) = store.get(&key) {
+                eprintln!(
+                    "rekindle: rank {} (pid {}) stopped responding (reported by rank {}); \
+                     killing it so that it is replaced",
+                    w.global_rank,
+                    w.pid,
+                    String::from_utf8_lossy(&by)
+                );
+                // SAFETY: kill(2) on our own child; SIGKILL also ends a stopped process.
+                unsafe {
+                    libc::kill(w.pid, libc::SIGKILL);
                 }
             }
         }

@@ -64,6 +64,8 @@ pub struct WorkerEnv {
     pub assignment: Assignment,
     /// The address collectives bind to, when the node has one other nodes reach.
     pub local_addr: Option<IpAddr>,
+    /// The agent's node id (`REKINDLE_NODE_ID`; empty without an agent).
+    pub node_id: String,
     pub(crate) membership: Option<WorkerMembership>,
 }
 
@@ -112,6 +114,7 @@ impl WorkerEnv {
                 store_prefix: String::new(),
             },
             local_addr: None,
+            node_id: String::new(),
             membership: None,
         }
     }
@@ -197,6 +200,7 @@ impl WorkerEnv {
                 store_prefix: var("REKINDLE_STORE_PREFIX").unwrap_or_default(),
             },
             local_addr,
+            node_id: var("REKINDLE_NODE_ID").unwrap_or_default(),
             membership,
         })
     }

@@ -32,6 +32,15 @@ pub struct Member {
     pub has_state: bool,
     /// Its process id.
     pub pid: u32,
+    /// Its agent's node id (`REKINDLE_NODE_ID`; empty without an agent).
+    #[serde(default)]
+    pub node: String,
+}
+
+/// The key under which a rank asks `node`'s agent to kill its worker `pid`, which stopped
+/// responding (the agent then replaces it like a worker that died).
+pub fn evict_key(node: &str, pid: u32) -> String {
+    format!("evict/{node}/{pid}")
 }
 
 /// How often a waiting process looks for a newer generation or an interruption.
@@ -175,6 +184,7 @@ mod tests {
             step,
             has_state,
             pid: 1,
+            node: "n".into(),
         }
     }
 

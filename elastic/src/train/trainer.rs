@@ -17,7 +17,7 @@ use rekindle_storage::{
 };
 
 use super::env::{Assignment, WorkerEnv};
-use super::form::{join_generation, Member};
+use super::form::{evict_key, join_generation, Member};
 use super::progress::{Progress, StepLine};
 use super::{param_specs, signal, ElasticOptions, TrainError};
 use crate::membership::MembershipEvent;
@@ -483,6 +483,7 @@ impl Trainer {
                 step: self.step,
                 has_state: self.has_state,
                 pid: std::process::id(),
+                node: self.env.node_id.clone(),
             };
             let handle_signals = self.options.handle_signals;
             let mut moved = None;
@@ -657,7 +658,7 @@ impl Trainer {
                 formed_at.elapsed().as_secs_f64() * 1e3
             ));
         }
-        let out = self.train_steps(&mut ddp, max_steps, step_fn);
+        let out = self.train_steps(store, members, &mut ddp, max_steps, step_fn);
         if !matches!(out, Ok(Interrupt::Done)) {
             // Tell the peers now rather than when their next operation times out.
             ddp.process_group().abort();
@@ -665,8 +666,27 @@ impl Trainer {
         out
     }
 
+    /// Asks the agents of the ranks that went silent to replace them.
+    fn evict(&self, store: &Arc<dyn Store>, members: &[Member], silent: &[usize]) {
+        for &r in silent {
+            let Some(m) = members.get(r).filter(|m| !m.node.is_empty()) else {
+                continue;
+            };
+            tracing::warn!(rank = r, pid = m.pid, node = %m.node, "rank is silent past the deadline; asking its agent to replace it");
+            if let Err(e) = store.set(
+                &evict_key(&m.node, m.pid),
+                self.rank().to_string().as_bytes(),
+            ) {
+                tracing::warn!(error = %e, "cannot ask for the silent rank's replacement");
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
     fn train_steps<E>(
         &mut self,
+        store: &Arc<dyn Store>,
+        members: &[Member],
         ddp: &mut Ddp,
         max_steps: u64,
         step_fn: &mut impl FnMut(&StepInput<'_>) -> Result<StepOutput, E>,
@@ -709,6 +729,13 @@ impl Trainer {
                 Ok(r) => r,
                 Err(e @ DdpError::Collective { .. }) => {
                     self.steps_discarded += 1;
+                    if let DdpError::Collective {
+                        source: rekindle_runtime::Error::Timeout { waiting_on, .. },
+                        ..
+                    } = &e
+                    {
+                        self.evict(store, members, waiting_on);
+                    }
                     return Ok(Interrupt::Failed(e.to_string()));
                 }
                 Err(e) => return Err(self.state_err("the DDP step", e)),
@@ -732,7 +759,12 @@ impl Trainer {
                     Some(&[s, n]) if n > 0.0 => Some(s / n),
                     _ => None,
                 },
-                Err(e) => return Ok(Interrupt::Failed(e.to_string())),
+                Err(e) => {
+                    if let rekindle_runtime::Error::Timeout { waiting_on, .. } = &e {
+                        self.evict(store, members, waiting_on);
+                    }
+                    return Ok(Interrupt::Failed(e.to_string()));
+                }
             };
             if rank == 0 {
                 let secs = started.elapsed().as_secs_f64().max(1e-9);
