@@ -391,4 +391,13 @@ fn bad_flags_and_mismatched_resumes_are_refused() {
         ),
         "--batch",
     );
+    // Every checkpoint failing to verify is an error, not a silent fresh start.
+    let model = ckpt.join("step-5/model.safetensors");
+    let mut bytes = std::fs::read(&model).unwrap();
+    *bytes.last_mut().unwrap() ^= 1;
+    std::fs::write(&model, bytes).unwrap();
+    failed(
+        &run(tmp.path(), &[&dir[..], &["--steps", "10"]].concat()),
+        "no valid checkpoint",
+    );
 }
