@@ -29,6 +29,8 @@ fi
 
 export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
 # Dependencies are built with opt-level 3 in the dev/test profile (see Cargo.toml).
+# The chaos tests run the workspace's binaries (`rekindle`, `ddp`): build them all first.
+cargo build --workspace --bins
 cargo test --workspace --no-fail-fast -- --test-threads=2
 # The NCCL backend must compile without a CUDA toolkit.
 cargo check -p rekindle-runtime --features nccl --all-targets

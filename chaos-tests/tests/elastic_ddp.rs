@@ -395,3 +395,35 @@ fn a_preempted_node_checkpoints_and_leaves_while_the_other_goes_on() {
     assert!(out.contains(": 1 rank(s), state of step"), "{out}");
     assert_eq!(final_fingerprint(stays).map(|(s, _)| s), Some(STEPS));
 }
+
+#[test]
+fn a_lost_node_is_dropped_and_the_other_goes_on_at_the_smaller_size() {
+    let etcd = EtcdServer::start().unwrap();
+    let logs = tempfile::tempdir().unwrap();
+    let mut a = etcd_node(&etcd.endpoint(), "lose", "1:2", logs.path());
+    let mut b = etcd_node(&etcd.endpoint(), "lose", "1:2", logs.path());
+    a.wait_line(T, |l| l.contains("] rank=")).unwrap();
+    b.wait_line(T, |l| l.contains("] rank=")).unwrap();
+    // Node 0 hosts the round's store; lose the other one, agent and worker at once.
+    let a_is_0 = rank_pid(&a, 0).is_some();
+    let (stays, lost) = if a_is_0 {
+        (&mut a, &mut b)
+    } else {
+        (&mut b, &mut a)
+    };
+    stays
+        .wait_line(T, step_line(100))
+        .unwrap_or_else(|| panic!("no progress:\n{}", stays.output()));
+    let worker = rank_pid(lost, 1).unwrap();
+    kill(lost.pid() as i32, libc::SIGKILL);
+    kill(worker, libc::SIGKILL);
+    assert_eq!(lost.wait_exit(T), None);
+    stays
+        .wait_line(T, |l| l.contains("re-formed into round"))
+        .unwrap_or_else(|| panic!("no re-formation:\n{}", stays.output()));
+    assert_eq!(stays.wait_exit(T), Some(0), "{}", stays.output());
+    let out = stays.output();
+    assert!(out.contains(": 1 rank(s), state of step"), "{out}");
+    assert!(!out.contains("stopping workers to re-form"), "{out}");
+    assert_eq!(final_fingerprint(stays).map(|(s, _)| s), Some(STEPS));
+}

@@ -37,6 +37,12 @@
 
 #![warn(missing_docs)]
 
+/// The runtime crate (devices, process groups, collectives, DDP, optimizers, samplers), so a
+/// training program can depend on this crate alone.
+pub use rekindle_runtime as runtime;
+/// The storage crate (checkpoints).
+pub use rekindle_storage as storage;
+
 pub mod agent;
 pub mod cli;
 pub mod errorfile;
