@@ -427,3 +427,50 @@ fn a_lost_node_is_dropped_and_the_other_goes_on_at_the_smaller_size() {
     assert!(!out.contains("stopping workers to re-form"), "{out}");
     assert_eq!(final_fingerprint(stays).map(|(s, _)| s), Some(STEPS));
 }
+
+#[test]
+fn a_lost_node_is_waited_for_when_the_size_is_fixed_and_its_replacement_gets_the_state() {
+    let expected = reference(2);
+    let etcd = EtcdServer::start().unwrap();
+    let logs = tempfile::tempdir().unwrap();
+    let mut a = etcd_node(&etcd.endpoint(), "fixed", "2", logs.path());
+    let mut b = etcd_node(&etcd.endpoint(), "fixed", "2", logs.path());
+    a.wait_line(T, |l| l.contains("] rank=")).unwrap();
+    b.wait_line(T, |l| l.contains("] rank=")).unwrap();
+    let a_is_0 = rank_pid(&a, 0).is_some();
+    let (stays, lost) = if a_is_0 {
+        (&mut a, &mut b)
+    } else {
+        (&mut b, &mut a)
+    };
+    stays
+        .wait_line(T, step_line(100))
+        .unwrap_or_else(|| panic!("no progress:\n{}", stays.output()));
+    let worker = rank_pid(lost, 1).unwrap();
+    kill(lost.pid() as i32, libc::SIGKILL);
+    kill(worker, libc::SIGKILL);
+    assert_eq!(lost.wait_exit(T), None);
+    // The survivor's agent sees the node gone and waits for a second node.
+    stays
+        .wait_line(T, |l| l.contains("membership changed"))
+        .unwrap_or_else(|| panic!("the loss was not seen:\n{}", stays.output()));
+    let mut replacement = etcd_node(&etcd.endpoint(), "fixed", "2", logs.path());
+    stays
+        .wait_line(T, |l| l.contains("re-formed into round"))
+        .unwrap_or_else(|| panic!("no re-formation:\n{}", stays.output()));
+    assert_eq!(stays.wait_exit(T), Some(0), "{}", stays.output());
+    assert_eq!(
+        replacement.wait_exit(T),
+        Some(0),
+        "{}",
+        replacement.output()
+    );
+    let out = format!("{}\n{}", stays.output(), replacement.output());
+    assert!(out.contains(": 2 rank(s), state of step"), "{out}");
+    assert!(
+        !out.contains(": 1 rank(s)"),
+        "the group never shrank:\n{out}"
+    );
+    let f = final_fingerprint(stays).or_else(|| final_fingerprint(&replacement));
+    assert_eq!(f, Some((STEPS, expected)), "{out}");
+}

@@ -273,7 +273,8 @@ impl Trainer {
                 .tensor(name)
                 .and_then(|t| t.to_candle_on(rekindle_runtime::Device::Cpu))
                 .map_err(ckerr)?;
-            var.set(&t)
+            t.to_device(var.device())
+                .and_then(|t| var.set(&t))
                 .map_err(|e| self.state_err("restoring a parameter", format!("{name}: {e}")))?;
         }
         let mut rest = Vec::new();
