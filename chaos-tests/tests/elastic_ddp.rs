@@ -474,3 +474,26 @@ fn a_lost_node_is_waited_for_when_the_size_is_fixed_and_its_replacement_gets_the
     let f = final_fingerprint(stays).or_else(|| final_fingerprint(&replacement));
     assert_eq!(f, Some((STEPS, expected)), "{out}");
 }
+
+#[test]
+fn replacements_killed_while_they_join_still_end_with_the_fault_free_result() {
+    let expected = reference(2);
+    let logs = tempfile::tempdir().unwrap();
+    let mut job = standalone(2, &["--max-restarts", "5"], &[], logs.path());
+    job.wait_line(T, step_line(100))
+        .unwrap_or_else(|| panic!("no progress:\n{}", job.output()));
+    // Kill rank 1, then each replacement as soon as it says it started: during its
+    // start-up, its joining, or its first steps.
+    for kill_no in 1..=4 {
+        let pid = rank_pid(&job, 1).expect("rank 1's pid");
+        kill(pid, libc::SIGKILL);
+        if kill_no < 4 {
+            job.next_line(T, |l| l.contains("] rank=1 pid="))
+                .unwrap_or_else(|| panic!("no replacement:\n{}", job.output()));
+        }
+    }
+    assert_eq!(job.wait_exit(T), Some(0), "{}", job.output());
+    let out = job.output();
+    assert!(out.contains("restart 4 of 5"), "{out}");
+    assert_eq!(final_fingerprint(&job).unwrap(), (STEPS, expected));
+}

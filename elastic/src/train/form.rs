@@ -73,6 +73,11 @@ fn current(store: &dyn Store, rank: usize) -> Result<(u64, Option<Vec<u8>>), Tra
     Ok((parse_gen(raw.as_deref()), raw))
 }
 
+/// The current generation number.
+pub(crate) fn current_generation(store: &dyn Store, rank: usize) -> Result<u64, TrainError> {
+    Ok(current(store, rank)?.0)
+}
+
 /// Opens generation `generation + 1` unless the store has already moved past `generation`.
 fn open_next(store: &dyn Store, rank: usize, generation: u64) -> Result<(), TrainError> {
     let (now, raw) = current(store, rank)?;

@@ -17,7 +17,7 @@ use rekindle_storage::{
 };
 
 use super::env::{Assignment, WorkerEnv};
-use super::form::{evict_key, join_generation, Member};
+use super::form::{current_generation, evict_key, join_generation, Member};
 use super::progress::{Progress, StepLine};
 use super::{param_specs, signal, ElasticOptions, TrainError};
 use crate::membership::MembershipEvent;
@@ -106,6 +106,9 @@ pub struct RunSummary {
     /// The last checkpoint this process committed.
     pub last_checkpoint: Option<u64>,
 }
+
+/// How often a rank building its group checks for a newer generation or round.
+const BOOTSTRAP_POLL: Duration = Duration::from_millis(50);
 
 /// The name under which the step count travels with the state.
 const STEP_TENSOR: &str = "trainer.step";
@@ -598,9 +601,37 @@ impl Trainer {
         if let Some(ip) = self.env.local_addr.filter(|ip| !ip.is_loopback()) {
             tcp.bind_addr = ip;
         }
-        let pg = match ProcessGroup::tcp(group, tcp) {
-            Ok(pg) => pg,
-            Err(e) => return Ok(Interrupt::Failed(format!("building the group: {e}"))),
+        // Build the group on a helper thread, so that a newer generation (a member died
+        // before connecting and its replacement arrived) or a new round ends the wait at once
+        // instead of at the bootstrap deadline; an abandoned build ends at that deadline.
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::Builder::new()
+            .name("rekindle-bootstrap".into())
+            .spawn(move || {
+                let _ = tx.send(ProcessGroup::tcp(group, tcp));
+            })
+            .map_err(|e| TrainError::Config {
+                reason: format!("cannot start the bootstrap thread: {e}"),
+            })?;
+        let pg = loop {
+            match rx.recv_timeout(BOOTSTRAP_POLL) {
+                Ok(Ok(pg)) => break pg,
+                Ok(Err(e)) => return Ok(Interrupt::Failed(format!("building the group: {e}"))),
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                    return Ok(Interrupt::Failed(
+                        "building the group: the builder stopped".into(),
+                    ))
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+            }
+            if let Some(a) = self.poll_agent() {
+                return Ok(Interrupt::Reassigned(a));
+            }
+            if current_generation(store.as_ref(), rank)? > generation {
+                return Ok(Interrupt::Failed(format!(
+                    "generation {generation} was superseded while its group was being built"
+                )));
+            }
         };
         // The newest state wins: the highest step, then the lowest rank. Without any state,
         // rank 0's (seeded) initial state.
