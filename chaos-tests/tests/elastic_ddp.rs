@@ -497,3 +497,38 @@ fn replacements_killed_while_they_join_still_end_with_the_fault_free_result() {
     assert!(out.contains("restart 4 of 5"), "{out}");
     assert_eq!(final_fingerprint(&job).unwrap(), (STEPS, expected));
 }
+
+#[test]
+fn with_etcd_losing_node_0_does_not_take_the_store_down() {
+    let etcd = EtcdServer::start().unwrap();
+    let logs = tempfile::tempdir().unwrap();
+    let mut a = etcd_node(&etcd.endpoint(), "lose0", "1:2", logs.path());
+    let mut b = etcd_node(&etcd.endpoint(), "lose0", "1:2", logs.path());
+    a.wait_line(T, |l| l.contains("] rank=")).unwrap();
+    b.wait_line(T, |l| l.contains("] rank=")).unwrap();
+    let a_is_0 = rank_pid(&a, 0).is_some();
+    let (lost, stays) = if a_is_0 {
+        (&mut a, &mut b)
+    } else {
+        (&mut b, &mut a)
+    };
+    lost.wait_line(T, step_line(100))
+        .unwrap_or_else(|| panic!("no progress:\n{}", lost.output()));
+    // Node 0 (the first node of the round, whose agent also serves MASTER_ADDR) goes away.
+    let worker = rank_pid(lost, 0).unwrap();
+    kill(lost.pid() as i32, libc::SIGKILL);
+    kill(worker, libc::SIGKILL);
+    assert_eq!(lost.wait_exit(T), None);
+    stays
+        .wait_line(T, |l| l.contains("re-formed into round"))
+        .unwrap_or_else(|| panic!("no re-formation:\n{}", stays.output()));
+    assert_eq!(stays.wait_exit(T), Some(0), "{}", stays.output());
+    let out = stays.output();
+    assert!(out.contains(": 1 rank(s), state of step"), "{out}");
+    assert!(
+        !out.contains("resumed from step"),
+        "live state, no checkpoint:\n{out}"
+    );
+    assert!(!out.contains("stopping workers to re-form"), "{out}");
+    assert_eq!(final_fingerprint(stays).map(|(s, _)| s), Some(STEPS));
+}

@@ -6,7 +6,6 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{field, AgentProc, WORKER};
-use rekindle_elastic::store::TcpStoreClient;
 use rekindle_elastic::testing::EtcdServer;
 use rekindle_runtime::store::Store;
 
@@ -113,7 +112,7 @@ fn sigkilled_agent_is_dropped_within_the_ttl_and_the_survivor_reforms() {
     assert!(line.contains("rank=0"), "{line}");
     // Let the survivor finish: set `go` in its new round's store.
     let ready = a.wait_line("/r1/ pid", T);
-    let store = TcpStoreClient::connect(field(&ready, "store").unwrap()).unwrap();
+    let store = rekindle_elastic::store::connect(field(&ready, "store").unwrap()).unwrap();
     store
         .set(&format!("{}go", field(&ready, "prefix").unwrap()), b"1")
         .unwrap();
@@ -137,7 +136,7 @@ fn etcd_restart_mid_run_fails_nothing() {
     etcd.restart().unwrap();
     // Past the TTL: an agent that failed to keep its lease would have been dropped by now.
     std::thread::sleep(Duration::from_secs(6));
-    let store = TcpStoreClient::connect(field(&ready, "store").unwrap()).unwrap();
+    let store = rekindle_elastic::store::connect(field(&ready, "store").unwrap()).unwrap();
     store
         .set(&format!("{}go", field(&ready, "prefix").unwrap()), b"1")
         .unwrap();

@@ -578,6 +578,18 @@ impl Agent {
         }
     }
 
+    /// The round's store as workers open it ([`crate::store::connect`]): etcd itself when the
+    /// rendezvous backend offers it (then no node is a single point of failure), else node 0's
+    /// embedded store.
+    fn round_store_addr(&self, round: &Round) -> String {
+        if let Rdzv::Dynamic { handler } = &self.rdzv {
+            if let Some(addr) = handler.backend().worker_store_addr() {
+                return addr;
+            }
+        }
+        format!("{}:{}", round.master_addr, round.master_port)
+    }
+
     /// The key prefix of round `round` in the round's store.
     fn round_prefix(&self, round: u64) -> String {
         format!("/rekindle/{}/r{round}/", self.job)
@@ -674,10 +686,7 @@ impl Agent {
                     ("REKINDLE_RDZV_BACKEND", self.backend_name.to_string()),
                     ("REKINDLE_RDZV_ENDPOINT", self.endpoint.clone()),
                     (ERROR_FILE_ENV, ef),
-                    (
-                        "REKINDLE_STORE",
-                        format!("{}:{}", round.master_addr, round.master_port),
-                    ),
+                    ("REKINDLE_STORE", self.round_store_addr(round)),
                     ("REKINDLE_STORE_PREFIX", prefix.clone()),
                     (AGENT_STORE_ENV, self.agent_store_addr.clone()),
                     (MEMBERSHIP_PREFIX_ENV, membership_prefix.clone()),
@@ -963,7 +972,7 @@ impl Agent {
                                 new_round: new.round,
                                 rank_base: new.rank_base,
                                 world_size: new.world_size,
-                                store: format!("{}:{}", new.master_addr, new.master_port),
+                                store: self.round_store_addr(&new),
                                 store_prefix: self.round_prefix(new.round),
                             };
                             if let Err(e) = publisher.publish(&ev) {
@@ -1031,7 +1040,7 @@ impl Agent {
 /// `train::form::evict_key`): read from the round's store every monitor interval.
 #[derive(Default)]
 struct Evictions {
-    store: Option<(u64, TcpStoreClient)>,
+    store: Option<(u64, Arc<dyn Store>)>,
     last: Option<Instant>,
 }
 
@@ -1042,8 +1051,7 @@ impl Evictions {
         }
         self.last = Some(Instant::now());
         if self.store.as_ref().map(|(r, _)| *r) != Some(round.round) {
-            let master = format!("{}:{}", round.master_addr, round.master_port);
-            self.store = TcpStoreClient::connect_with_timeout(&master, Duration::from_secs(2))
+            self.store = crate::store::connect(&agent.round_store_addr(round))
                 .ok()
                 .map(|c| (round.round, c));
         }

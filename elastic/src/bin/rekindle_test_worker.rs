@@ -18,7 +18,6 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use rekindle_elastic::membership::WorkerMembership;
-use rekindle_elastic::store::TcpStoreClient;
 use rekindle_runtime::store::{PrefixStore, Store};
 
 fn env(k: &str) -> Result<String> {
@@ -35,7 +34,7 @@ fn job_store() -> Result<Arc<dyn Store>> {
     let addr = env("REKINDLE_STORE")?;
     let prefix = env("REKINDLE_STORE_PREFIX")?;
     let client: Arc<dyn Store> =
-        Arc::new(TcpStoreClient::connect(&addr).with_context(|| format!("store {addr}"))?);
+        rekindle_elastic::store::connect(&addr).with_context(|| format!("store {addr}"))?;
     Ok(Arc::new(PrefixStore::new(client, prefix)))
 }
 

@@ -78,4 +78,12 @@ pub trait RendezvousBackend: Send + Sync {
     /// A store for the job's own keys under `prefix` (inside the job's namespace and, on etcd,
     /// bound to the job's lease).
     fn job_store(&self, prefix: &str) -> StoreResult<Arc<dyn Store>>;
+
+    /// The address (for [`crate::store::connect`]) of a store the job's workers can open
+    /// themselves and that outlives any single node, if the backend has one: on etcd without
+    /// authentication or TLS, the cluster with the job's lease. `None`: workers use node 0's
+    /// embedded store.
+    fn worker_store_addr(&self) -> Option<String> {
+        None
+    }
 }

@@ -66,6 +66,9 @@ pub struct EtcdBackend {
     opts: EtcdBackendOptions,
     leases: Mutex<Leases>,
     lost: Arc<AtomicBool>,
+    /// Endpoints for workers' own connections (only without authentication and TLS).
+    endpoints: Vec<String>,
+    worker_store: bool,
 }
 
 impl std::fmt::Debug for EtcdBackend {
@@ -145,6 +148,8 @@ impl EtcdBackend {
             opts,
             leases: Mutex::default(),
             lost: Arc::new(AtomicBool::new(false)),
+            endpoints: cfg.endpoints.clone(),
+            worker_store: cfg.user.is_none() && cfg.tls.is_none(),
         })
     }
 
@@ -403,6 +408,18 @@ impl RendezvousBackend for EtcdBackend {
                 }),
             None => Ok(()),
         }
+    }
+
+    fn worker_store_addr(&self) -> Option<String> {
+        if !self.worker_store {
+            return None;
+        }
+        let lease = self.job_lease().ok()?;
+        Some(format!(
+            "{}{}?lease={lease}",
+            crate::store::ETCD_SCHEME,
+            self.endpoints.join(",")
+        ))
     }
 
     fn job_store(&self, prefix: &str) -> StoreResult<Arc<dyn Store>> {

@@ -21,7 +21,9 @@ use crate::etcd::{EtcdConfig, EtcdConn};
 ///   a dead job vanish when the lease expires.
 ///
 /// Connection failures are [`StoreError::Connection`]; refused credentials are
-/// [`StoreError::Unauthorized`]. `wait` retries through a lost connection until its timeout.
+/// [`StoreError::Unauthorized`]. `wait` retries through a lost connection until its timeout;
+/// `get` and `set` (idempotent) until the request timeout; `add` and `compare_and_set` fail
+/// at once, since an attempt may have been applied.
 #[derive(Debug, Clone)]
 pub struct EtcdStore {
     conn: Arc<EtcdConn>,
@@ -144,19 +146,41 @@ async fn wait_once(
     }
 }
 
+impl EtcdStore {
+    /// Runs an idempotent operation again while the cluster is unreachable (a member
+    /// restarting, a leader election), until the request timeout.
+    fn retrying<T>(&self, mut f: impl FnMut() -> StoreResult<T>) -> StoreResult<T> {
+        let deadline = Instant::now() + self.conn.timeout;
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            match f() {
+                Err(StoreError::Connection { .. }) if Instant::now() + backoff < deadline => {
+                    std::thread::sleep(backoff);
+                    backoff = (backoff * 2).min(Duration::from_millis(500));
+                }
+                other => return other,
+            }
+        }
+    }
+}
+
 impl Store for EtcdStore {
     fn set(&self, key: &str, value: &[u8]) -> StoreResult<()> {
-        let (k, v, o) = (self.key(key), value.to_vec(), self.put_options());
-        self.conn.call("set", move |mut c| async move {
-            c.put(k, v, o).await.map(|_| ())
+        self.retrying(|| {
+            let (k, v, o) = (self.key(key), value.to_vec(), self.put_options());
+            self.conn.call("set", move |mut c| async move {
+                c.put(k, v, o).await.map(|_| ())
+            })
         })
     }
 
     fn get(&self, key: &str) -> StoreResult<Option<Vec<u8>>> {
-        let k = self.key(key);
-        self.conn.call("get", move |mut c| async move {
-            let r = c.get(k, None).await?;
-            Ok(r.kvs().first().map(|kv| kv.value().to_vec()))
+        self.retrying(|| {
+            let k = self.key(key);
+            self.conn.call("get", move |mut c| async move {
+                let r = c.get(k, None).await?;
+                Ok(r.kvs().first().map(|kv| kv.value().to_vec()))
+            })
         })
     }
 

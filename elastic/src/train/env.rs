@@ -28,8 +28,8 @@ pub struct Assignment {
     pub rank: usize,
     /// The number of ranks.
     pub world_size: usize,
-    /// The round's store (`host:port` of the embedded store); `None` for a job of one
-    /// process started by hand.
+    /// The round's store (`host:port` of an embedded store, or `etcd://...`: see
+    /// [`crate::store::connect`]); `None` for a job of one process started by hand.
     pub store_addr: Option<String>,
     /// The round's key prefix in that store.
     pub store_prefix: String,
@@ -39,15 +39,11 @@ impl Assignment {
     /// Connects to the round's store, under the round's prefix.
     pub fn connect(&self) -> Result<Arc<dyn Store>, TrainError> {
         let inner: Arc<dyn Store> = match &self.store_addr {
-            Some(addr) => {
-                Arc::new(
-                    TcpStoreClient::connect(addr).map_err(|source| TrainError::Store {
-                        rank: self.rank,
-                        during: "connecting to the round's store",
-                        source,
-                    })?,
-                )
-            }
+            Some(addr) => crate::store::connect(addr).map_err(|source| TrainError::Store {
+                rank: self.rank,
+                during: "connecting to the round's store",
+                source,
+            })?,
             None => Arc::new(InMemoryStore::new()),
         };
         Ok(Arc::new(PrefixStore::new(inner, self.store_prefix.clone())))
