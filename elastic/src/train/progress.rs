@@ -1,11 +1,12 @@
 //! Rank 0's progress bar and loss curve.
 
 use std::fs::{File, OpenOptions};
-use std::io::{BufWriter, Write};
+use std::io::{BufWriter, IsTerminal, Write};
 use std::path::{Path, PathBuf};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::sync::Mutex;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle, TermLike};
 
 use super::TrainError;
 
@@ -20,7 +21,66 @@ pub(crate) struct StepLine {
 
 pub(crate) struct Progress {
     bar: Option<ProgressBar>,
+    /// The bar redraws in place on a terminal; elsewhere (under `rekindle run`, whose
+    /// workers write to pipes) it is printed as a line every [`LINE_EVERY`].
+    tty: bool,
     csv: Option<(PathBuf, BufWriter<File>)>,
+}
+
+/// How often the bar is printed as a line when stderr is not a terminal.
+const LINE_EVERY: Duration = Duration::from_secs(2);
+
+/// A "terminal" that prints each drawing of the bar as one line of stderr, at most once per
+/// `every`: the bar stays readable through a pipe, as the agent's per-rank output is.
+#[derive(Debug)]
+struct LineTerm {
+    every: Duration,
+    last: Mutex<Option<Instant>>,
+}
+
+impl LineTerm {
+    fn emit(&self, s: &str) -> std::io::Result<()> {
+        let s = s.trim_end();
+        if s.is_empty() {
+            return Ok(());
+        }
+        let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        if last.is_some_and(|t| t.elapsed() < self.every) {
+            return Ok(());
+        }
+        *last = Some(Instant::now());
+        writeln!(std::io::stderr(), "{s}")
+    }
+}
+
+impl TermLike for LineTerm {
+    fn width(&self) -> u16 {
+        100
+    }
+    fn move_cursor_up(&self, _: usize) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn move_cursor_down(&self, _: usize) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn move_cursor_right(&self, _: usize) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn move_cursor_left(&self, _: usize) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn write_line(&self, s: &str) -> std::io::Result<()> {
+        self.emit(s)
+    }
+    fn write_str(&self, s: &str) -> std::io::Result<()> {
+        self.emit(s)
+    }
+    fn clear_line(&self) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn flush(&self) -> std::io::Result<()> {
+        std::io::stderr().flush()
+    }
 }
 
 const CSV_HEADER: &str = "step,epoch,loss,samples_per_s,world_size,unix_time";
@@ -33,16 +93,25 @@ fn csv_err(path: &Path) -> impl Fn(std::io::Error) -> TrainError + '_ {
 }
 
 impl Progress {
-    /// A bar up to `total` steps (drawn only on a terminal) and the CSV, appended to (a
-    /// restarted rank 0 continues the same curve).
+    /// A bar up to `total` steps (redrawn in place on a terminal, printed as a line every
+    /// 2 s elsewhere) and the CSV, appended to (a restarted rank 0 continues the same curve).
     pub fn new(
         total: u64,
         start: u64,
         bar: bool,
         csv: Option<&Path>,
     ) -> Result<Progress, TrainError> {
+        let tty = std::io::stderr().is_terminal();
         let bar = bar.then(|| {
-            let b = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
+            let target = if tty {
+                ProgressDrawTarget::stderr()
+            } else {
+                ProgressDrawTarget::term_like(Box::new(LineTerm {
+                    every: LINE_EVERY,
+                    last: Mutex::new(None),
+                }))
+            };
+            let b = ProgressBar::with_draw_target(Some(total), target);
             if let Ok(style) = ProgressStyle::with_template(
                 "{bar:30} step {pos}/{len} {msg} [{elapsed_precise}, eta {eta}]",
             ) {
@@ -69,7 +138,7 @@ impl Progress {
             }
             None => None,
         };
-        Ok(Progress { bar, csv })
+        Ok(Progress { bar, tty, csv })
     }
 
     pub fn step(&mut self, line: &StepLine) -> Result<(), TrainError> {
@@ -104,14 +173,24 @@ impl Progress {
     /// Prints a message above the bar (or to stderr).
     pub fn println(&self, msg: &str) {
         match &self.bar {
-            Some(bar) if !bar.is_hidden() => bar.println(msg),
+            Some(bar) if self.tty => bar.println(msg),
             _ => eprintln!("{msg}"),
         }
     }
 
     pub fn finish(&self) {
         if let Some(bar) = &self.bar {
-            bar.finish_and_clear();
+            if self.tty {
+                bar.finish_and_clear();
+            } else {
+                eprintln!(
+                    "step {}/{} {} [{:.1} s]",
+                    bar.position(),
+                    bar.length().unwrap_or(0),
+                    bar.message(),
+                    bar.elapsed().as_secs_f64()
+                );
+            }
         }
     }
 }
