@@ -121,3 +121,29 @@ fn wait_survives_an_etcd_restart() {
     let got = waiter.join().unwrap().unwrap();
     assert_eq!(got, vec![b"1".to_vec(), b"2".to_vec()]);
 }
+
+#[test]
+fn a_worker_store_address_opens_a_conforming_store_bound_to_the_lease() {
+    let etcd = EtcdServer::start().unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let endpoint = format!("http://{}", etcd.endpoint());
+    let mut client = rt
+        .block_on(etcd_client::Client::connect([endpoint], None))
+        .unwrap();
+    let lease = rt
+        .block_on(client.lease_grant(60, None))
+        .map(|r| r.id())
+        .unwrap();
+    let addr = format!("etcd://{}?lease={lease}", etcd.endpoint());
+    let store = rekindle_elastic::store::connect(&addr).unwrap();
+    conformance(Arc::new(rekindle_runtime::store::PrefixStore::new(
+        store.clone(),
+        "/t/url/",
+    )))
+    .unwrap();
+    store.set("/t/url/bound", b"1").unwrap();
+    assert_eq!(store.get("/t/url/bound").unwrap(), Some(b"1".to_vec()));
+    // The key goes with the lease, as a dead job's keys do.
+    rt.block_on(client.lease_revoke(lease)).unwrap();
+    assert_eq!(store.get("/t/url/bound").unwrap(), None);
+}
