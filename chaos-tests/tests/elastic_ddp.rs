@@ -532,3 +532,23 @@ fn with_etcd_losing_node_0_does_not_take_the_store_down() {
     assert!(!out.contains("stopping workers to re-form"), "{out}");
     assert_eq!(final_fingerprint(stays).map(|(s, _)| s), Some(STEPS));
 }
+
+#[test]
+fn bad_launcher_environment_is_a_clear_error() {
+    let cases: [(&[(&str, &str)], &str); 3] = [
+        (&[("RANK", "3"), ("WORLD_SIZE", "2")], "RANK"),
+        (&[("RANK", "0"), ("WORLD_SIZE", "two")], "WORLD_SIZE"),
+        (&[("RANK", "1"), ("WORLD_SIZE", "2")], "REKINDLE_STORE"),
+    ];
+    for (env, named) in cases {
+        let out = std::process::Command::new(ddp())
+            .args(model_args(10))
+            .env_remove("REKINDLE_STORE")
+            .envs(env.iter().copied())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{env:?}: {err}");
+        assert!(err.contains(named), "{env:?} should name {named}: {err}");
+    }
+}
