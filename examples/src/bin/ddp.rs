@@ -25,7 +25,10 @@ use rekindle_runtime::optim::{Sgd, SgdConfig};
 use rekindle_runtime::sampler::ElasticConfig;
 
 #[derive(Debug, Parser)]
-#[command(about = "Elastic DDP training of an MLP on a generated dataset")]
+#[command(
+    about = "Elastic DDP training of an MLP on a generated dataset",
+    args_override_self = true
+)]
 struct Args {
     /// Steps to train (a resumed run counts the checkpoint's steps).
     #[arg(long, default_value_t = 300)]
