@@ -903,9 +903,9 @@ impl Agent {
     ) -> AttemptEnd {
         let interval = self.cfg.monitor_interval.max(Duration::from_millis(10));
         let mut reforming = false;
-        let mut evictions = Evictions::default();
+        let evictions = Evictions::start(self.node.id.clone(), interval);
         loop {
-            evictions.check(self, workers, round, interval);
+            evictions.update(self, workers, round);
             match self.events.recv_timeout(interval) {
                 Ok(Event::Exited {
                     local_rank,
@@ -1036,48 +1036,104 @@ impl Agent {
     }
 }
 
-/// Requests from the elastic loop to kill a worker that stopped responding (see
-/// `train::form::evict_key`): read from the round's store every monitor interval.
-#[derive(Default)]
+/// What the eviction watcher looks at; the monitor loop keeps it current.
+#[derive(Debug, Clone, Default)]
+struct EvictTargets {
+    store_addr: String,
+    prefix: String,
+    /// `(global rank, pid)` of the live workers.
+    workers: Vec<(usize, i32)>,
+}
+
+/// Kills workers that the elastic loop reported silent past the collective deadline (see
+/// `train::form::evict_key`), reading the round's store every monitor interval on its own
+/// thread, so that a slow or unreachable store never delays the agent's own loop.
 struct Evictions {
-    store: Option<(u64, Arc<dyn Store>)>,
-    last: Option<Instant>,
+    targets: Arc<std::sync::Mutex<EvictTargets>>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Evictions {
-    fn check(&mut self, agent: &Agent, workers: &[Worker], round: &Round, interval: Duration) {
-        if self.last.is_some_and(|t| t.elapsed() < interval) {
-            return;
-        }
-        self.last = Some(Instant::now());
-        if self.store.as_ref().map(|(r, _)| *r) != Some(round.round) {
-            self.store = crate::store::connect(&agent.round_store_addr(round))
-                .ok()
-                .map(|c| (round.round, c));
-        }
-        let Some((_, store)) = &self.store else {
-            return;
-        };
-        let prefix = agent.round_prefix(round.round);
-        for w in workers.iter().filter(|w| w.exit.is_none()) {
-            let key = format!(
-                "{prefix}{}",
-                crate::train::form::evict_key(&agent.node.id, w.pid as u32)
-            );
-            if let Ok(Some(by)) = store.get(&key) {
-                eprintln!(
-                    "rekindle: rank {} (pid {}) stopped responding (reported by rank {}); \
-                     killing it so that it is replaced",
-                    w.global_rank,
-                    w.pid,
-                    String::from_utf8_lossy(&by)
-                );
-                // SAFETY: kill(2) on our own child; SIGKILL also ends a stopped process.
-                unsafe {
-                    libc::kill(w.pid, libc::SIGKILL);
+    fn start(node: String, interval: Duration) -> Evictions {
+        use std::sync::atomic::Ordering;
+        let targets = Arc::new(std::sync::Mutex::new(EvictTargets::default()));
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (t, st) = (targets.clone(), stop.clone());
+        let spawned = std::thread::Builder::new()
+            .name("rekindle-evictions".into())
+            .spawn(move || {
+                let mut conn: Option<(String, Arc<dyn Store>)> = None;
+                let mut retry_at = Instant::now();
+                while !st.load(Ordering::Acquire) {
+                    std::thread::sleep(interval);
+                    let now = t.lock().map(|g| g.clone()).unwrap_or_default();
+                    if now.workers.is_empty() || now.store_addr.is_empty() {
+                        continue;
+                    }
+                    if conn
+                        .as_ref()
+                        .map(|(a, _)| a != &now.store_addr)
+                        .unwrap_or(true)
+                    {
+                        if Instant::now() < retry_at {
+                            continue;
+                        }
+                        match crate::store::connect(&now.store_addr) {
+                            Ok(c) => conn = Some((now.store_addr.clone(), c)),
+                            Err(_) => {
+                                retry_at = Instant::now() + Duration::from_secs(2);
+                                continue;
+                            }
+                        }
+                    }
+                    let Some((_, store)) = &conn else { continue };
+                    for (rank, pid) in &now.workers {
+                        let key = format!(
+                            "{}{}",
+                            now.prefix,
+                            crate::train::form::evict_key(&node, *pid as u32)
+                        );
+                        if let Ok(Some(by)) = store.get(&key) {
+                            eprintln!(
+                                "rekindle: rank {rank} (pid {pid}) stopped responding (reported \
+                                 by rank {}); killing it so that it is replaced",
+                                String::from_utf8_lossy(&by)
+                            );
+                            // SAFETY: kill(2) on our own child; SIGKILL also ends a stopped
+                            // process.
+                            unsafe {
+                                libc::kill(*pid, libc::SIGKILL);
+                            }
+                            let _ = store.delete_prefix(&key);
+                        }
+                    }
                 }
-            }
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "cannot start the eviction watcher");
         }
+        Evictions { targets, stop }
+    }
+
+    fn update(&self, agent: &Agent, workers: &[Worker], round: &Round) {
+        let t = EvictTargets {
+            store_addr: agent.round_store_addr(round),
+            prefix: agent.round_prefix(round.round),
+            workers: workers
+                .iter()
+                .filter(|w| w.exit.is_none())
+                .map(|w| (w.global_rank, w.pid))
+                .collect(),
+        };
+        if let Ok(mut g) = self.targets.lock() {
+            *g = t;
+        }
+    }
+}
+
+impl Drop for Evictions {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Release);
     }
 }
 
