@@ -6,7 +6,9 @@
 //! use rekindle_elastic::train::{self, ElasticOptions, StepOutput, Trainer};
 //! use rekindle_runtime::optim::{Sgd, SgdConfig};
 //! use rekindle_runtime::sampler::ElasticConfig;
-//! # fn model_loss(_: &[usize]) -> anyhow::Result<(candle_core::backprop::GradStore, f32)> { todo!() }
+//! # fn model_loss(_: &[usize]) -> anyhow::Result<(candle_core::backprop::GradStore, f32)> {
+//! #     anyhow::bail!("the model goes here")
+//! # }
 //! # fn main() -> anyhow::Result<()> {
 //! let worker = train::init()?; // RANK, WORLD_SIZE, the job's store: what `rekindle run` set
 //! let varmap = VarMap::new(); // ... the model's variables, seeded
