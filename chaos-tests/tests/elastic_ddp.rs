@@ -552,3 +552,63 @@ fn bad_launcher_environment_is_a_clear_error() {
         assert!(err.contains(named), "{env:?} should name {named}: {err}");
     }
 }
+
+#[test]
+fn a_corrupt_newest_checkpoint_is_skipped_and_the_result_is_unchanged() {
+    let expected = reference(2);
+    let logs = tempfile::tempdir().unwrap();
+    let ck = tempfile::tempdir().unwrap();
+    let extra = strings(&[
+        "--checkpoint-dir",
+        ck.path().to_str().unwrap(),
+        "--checkpoint-every",
+        "100",
+    ]);
+    let mut job = standalone(2, &[], &extra, logs.path());
+    job.wait_line(T, step_line(450))
+        .unwrap_or_else(|| panic!("no progress:\n{}", job.output()));
+    let workers = [rank_pid(&job, 0).unwrap(), rank_pid(&job, 1).unwrap()];
+    kill(job.pid() as i32, libc::SIGKILL);
+    for pid in workers {
+        kill(pid, libc::SIGKILL);
+    }
+    assert_eq!(job.wait_exit(T), None);
+    // Flip one byte in the middle of every tensor file of the newest checkpoint.
+    let newest = (0..=STEPS)
+        .rev()
+        .find(|s| dir_has_step(ck.path(), *s))
+        .expect("a checkpoint");
+    assert!(newest >= 400, "newest checkpoint {newest}");
+    let step_dir = ck.path().join(format!("step-{newest}"));
+    let mut flipped = 0;
+    for entry in std::fs::read_dir(&step_dir).unwrap().flatten() {
+        let path = entry.path();
+        if path.extension().is_some_and(|e| e == "safetensors") {
+            let mut bytes = std::fs::read(&path).unwrap();
+            let mid = bytes.len() / 2;
+            bytes[mid] ^= 0x40;
+            std::fs::write(&path, bytes).unwrap();
+            flipped += 1;
+        }
+    }
+    assert!(flipped > 0, "no tensor file in {}", step_dir.display());
+
+    let mut resumed = standalone(2, &[], &extra, logs.path());
+    assert_eq!(resumed.wait_exit(T), Some(0), "{}", resumed.output());
+    let out = resumed.output();
+    assert!(
+        out.contains(&format!("resumed from step {}", newest - 100)),
+        "resumed from the previous checkpoint:\n{out}"
+    );
+    assert!(
+        out.contains("does not verify"),
+        "the corruption was reported:\n{out}"
+    );
+    let aside = std::fs::read_dir(ck.path()).unwrap().flatten().any(|e| {
+        e.file_name()
+            .to_string_lossy()
+            .starts_with(&format!("step-{newest}.corrupt-"))
+    });
+    assert!(aside, "the corrupt checkpoint was moved aside, not deleted");
+    assert_eq!(final_fingerprint(&resumed).unwrap(), (STEPS, expected));
+}

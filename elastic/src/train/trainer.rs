@@ -12,8 +12,8 @@ use rekindle_runtime::sampler::{ElasticConfig, ElasticSampler, ElasticState};
 use rekindle_runtime::store::{PrefixStore, Store};
 use rekindle_runtime::{Buffer, GroupConfig, JobSecret, ProcessGroup, ReduceOp};
 use rekindle_storage::{
-    AsyncCheckpointer, CheckpointDir, LoadOptions, RetentionPolicy, Snapshot, StorageError,
-    TrainingState,
+    AsyncCheckpointer, Checkpoint, CheckpointDir, LoadOptions, RetentionPolicy, Snapshot,
+    StorageError, TrainingState,
 };
 
 use super::env::{Assignment, WorkerEnv};
@@ -260,17 +260,40 @@ impl Trainer {
         let Some(ck) = &self.checkpoints else {
             return Ok(());
         };
-        let ckpt = match ck.dir().load_latest(&LoadOptions::default()) {
-            Ok(c) => c,
-            Err(StorageError::NoValidCheckpoint { skipped: 0, .. }) => return Ok(()),
-            Err(StorageError::NoValidCheckpoint { dir, skipped }) => {
-                tracing::warn!(dir = %dir.display(), skipped,
-                    "no checkpoint verifies; starting from the initial state");
-                return Ok(());
-            }
-            Err(source) => return Err(TrainError::Checkpoint { rank, source }),
-        };
         let ckerr = |source| TrainError::Checkpoint { rank, source };
+        // The newest checkpoint that verifies; newer ones that do not are moved aside (kept
+        // for inspection as `step-N.corrupt-<pid>`), so that the run can commit those steps
+        // again.
+        let dir = ck.dir();
+        let opts = LoadOptions::default();
+        let mut corrupt = Vec::new();
+        let mut found = None;
+        for &step in dir.committed_steps().map_err(ckerr)?.iter().rev() {
+            match Checkpoint::open(&dir.step_path(step), &opts) {
+                Ok(c) => {
+                    found = Some(c);
+                    break;
+                }
+                Err(e @ StorageError::CudaNotCompiled { .. }) => return Err(ckerr(e)),
+                Err(e) => {
+                    tracing::warn!(step, error = %e, "skipping a checkpoint that does not verify");
+                    eprintln!(
+                        "rekindle: rank {rank}: checkpoint step-{step} does not verify ({e}); \
+                         moving it aside"
+                    );
+                    corrupt.push(step);
+                }
+            }
+        }
+        for step in corrupt {
+            let from = dir.step_path(step);
+            let to = from.with_file_name(format!("step-{step}.corrupt-{}", std::process::id()));
+            // Another rank may have moved it already.
+            let _ = std::fs::rename(&from, &to);
+        }
+        let Some(ckpt) = found else {
+            return Ok(());
+        };
         for (name, var) in &self.vars {
             let t = ckpt
                 .tensor(name)
