@@ -261,6 +261,17 @@ fn two_static_nodes_train_like_one_node_with_two_ranks() {
     assert_eq!(final_fingerprint(&a).unwrap(), (STEPS, expected));
 }
 
+/// The two nodes' jobs, rank 0's node first (each worker prints its rank when it starts).
+fn rank0_first<'a>(a: &'a mut Job, b: &'a mut Job) -> (&'a mut Job, &'a mut Job) {
+    a.wait_line(T, |l| l.contains("] rank=")).unwrap();
+    b.wait_line(T, |l| l.contains("] rank=")).unwrap();
+    if rank_pid(a, 0).is_some() {
+        (a, b)
+    } else {
+        (b, a)
+    }
+}
+
 fn etcd_node(etcd: &str, job: &str, nnodes: &str, logs: &Path) -> Job {
     node(
         &strings(&[
@@ -290,15 +301,7 @@ fn two_etcd_nodes_train_like_one_node_and_a_killed_worker_rejoins() {
     let logs = tempfile::tempdir().unwrap();
     let mut a = etcd_node(&etcd.endpoint(), "etcd-two", "2", logs.path());
     let mut b = etcd_node(&etcd.endpoint(), "etcd-two", "2", logs.path());
-    // Each worker prints its rank first; rank 0's node prints the progress.
-    a.wait_line(T, |l| l.contains("] rank=")).unwrap();
-    b.wait_line(T, |l| l.contains("] rank=")).unwrap();
-    let a_is_0 = rank_pid(&a, 0).is_some();
-    let (leader, victim_job) = if a_is_0 {
-        (&mut a, &mut b)
-    } else {
-        (&mut b, &mut a)
-    };
+    let (leader, victim_job) = rank0_first(&mut a, &mut b);
     leader
         .wait_line(T, step_line(100))
         .unwrap_or_else(|| panic!("no progress:\n{}", leader.output()));
@@ -364,14 +367,7 @@ fn a_preempted_node_checkpoints_and_leaves_while_the_other_goes_on() {
     let logs = tempfile::tempdir().unwrap();
     let mut a = etcd_node(&etcd.endpoint(), "shrink", "1:2", logs.path());
     let mut b = etcd_node(&etcd.endpoint(), "shrink", "1:2", logs.path());
-    a.wait_line(T, |l| l.contains("] rank=")).unwrap();
-    b.wait_line(T, |l| l.contains("] rank=")).unwrap();
-    let a_is_0 = rank_pid(&a, 0).is_some();
-    let (stays, leaves) = if a_is_0 {
-        (&mut a, &mut b)
-    } else {
-        (&mut b, &mut a)
-    };
+    let (stays, leaves) = rank0_first(&mut a, &mut b);
     stays
         .wait_line(T, step_line(100))
         .unwrap_or_else(|| panic!("no progress:\n{}", stays.output()));
@@ -402,15 +398,7 @@ fn a_lost_node_is_dropped_and_the_other_goes_on_at_the_smaller_size() {
     let logs = tempfile::tempdir().unwrap();
     let mut a = etcd_node(&etcd.endpoint(), "lose", "1:2", logs.path());
     let mut b = etcd_node(&etcd.endpoint(), "lose", "1:2", logs.path());
-    a.wait_line(T, |l| l.contains("] rank=")).unwrap();
-    b.wait_line(T, |l| l.contains("] rank=")).unwrap();
-    // Node 0 hosts the round's store; lose the other one, agent and worker at once.
-    let a_is_0 = rank_pid(&a, 0).is_some();
-    let (stays, lost) = if a_is_0 {
-        (&mut a, &mut b)
-    } else {
-        (&mut b, &mut a)
-    };
+    let (stays, lost) = rank0_first(&mut a, &mut b);
     stays
         .wait_line(T, step_line(100))
         .unwrap_or_else(|| panic!("no progress:\n{}", stays.output()));
@@ -435,14 +423,7 @@ fn a_lost_node_is_waited_for_when_the_size_is_fixed_and_its_replacement_gets_the
     let logs = tempfile::tempdir().unwrap();
     let mut a = etcd_node(&etcd.endpoint(), "fixed", "2", logs.path());
     let mut b = etcd_node(&etcd.endpoint(), "fixed", "2", logs.path());
-    a.wait_line(T, |l| l.contains("] rank=")).unwrap();
-    b.wait_line(T, |l| l.contains("] rank=")).unwrap();
-    let a_is_0 = rank_pid(&a, 0).is_some();
-    let (stays, lost) = if a_is_0 {
-        (&mut a, &mut b)
-    } else {
-        (&mut b, &mut a)
-    };
+    let (stays, lost) = rank0_first(&mut a, &mut b);
     stays
         .wait_line(T, step_line(100))
         .unwrap_or_else(|| panic!("no progress:\n{}", stays.output()));
@@ -504,14 +485,7 @@ fn with_etcd_losing_node_0_does_not_take_the_store_down() {
     let logs = tempfile::tempdir().unwrap();
     let mut a = etcd_node(&etcd.endpoint(), "lose0", "1:2", logs.path());
     let mut b = etcd_node(&etcd.endpoint(), "lose0", "1:2", logs.path());
-    a.wait_line(T, |l| l.contains("] rank=")).unwrap();
-    b.wait_line(T, |l| l.contains("] rank=")).unwrap();
-    let a_is_0 = rank_pid(&a, 0).is_some();
-    let (lost, stays) = if a_is_0 {
-        (&mut a, &mut b)
-    } else {
-        (&mut b, &mut a)
-    };
+    let (lost, stays) = rank0_first(&mut a, &mut b);
     lost.wait_line(T, step_line(100))
         .unwrap_or_else(|| panic!("no progress:\n{}", lost.output()));
     // Node 0 (the first node of the round, whose agent also serves MASTER_ADDR) goes away.

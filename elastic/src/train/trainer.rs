@@ -20,7 +20,7 @@ use super::env::{Assignment, WorkerEnv};
 use super::form::{current_generation, evict_key, join_generation, Member};
 use super::progress::{Progress, StepLine};
 use super::{param_specs, signal, ElasticOptions, TrainError};
-use crate::membership::MembershipEvent;
+use crate::membership::{MembershipEvent, WorkerMembership};
 
 /// What the step function gets: this rank's share of the step's global batch.
 #[derive(Debug, Clone, Copy)]
@@ -156,6 +156,41 @@ enum Interrupt {
     Signal,
     /// Every step is done.
     Done,
+}
+
+/// Reads the agent's membership events up to the next `Assigned` (this worker's place in a
+/// new round); the other events need nothing from a worker in the loop.
+fn next_assignment(
+    membership: &mut Option<WorkerMembership>,
+    local_rank: usize,
+) -> Option<Assignment> {
+    let m = membership.as_mut()?;
+    loop {
+        match m.poll() {
+            Ok(Some(MembershipEvent::Assigned {
+                new_round,
+                rank_base,
+                world_size,
+                store,
+                store_prefix,
+                ..
+            })) => {
+                return Some(Assignment {
+                    round: new_round,
+                    rank: rank_base + local_rank,
+                    world_size,
+                    store_addr: Some(store),
+                    store_prefix,
+                })
+            }
+            Ok(Some(ev)) => tracing::debug!(event = ?ev, "membership event"),
+            Ok(None) => return None,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read membership events from the agent");
+                return None;
+            }
+        }
+    }
 }
 
 impl Trainer {
@@ -441,34 +476,7 @@ impl Trainer {
 
     /// The next membership event that asks this worker to move, if the agent sent one.
     fn poll_agent(&mut self) -> Option<Assignment> {
-        let local_rank = self.env.local_rank;
-        let m = self.env.membership.as_mut()?;
-        loop {
-            match m.poll() {
-                Ok(Some(MembershipEvent::Assigned {
-                    new_round,
-                    rank_base,
-                    world_size,
-                    store,
-                    store_prefix,
-                    ..
-                })) => {
-                    return Some(Assignment {
-                        round: new_round,
-                        rank: rank_base + local_rank,
-                        world_size,
-                        store_addr: Some(store),
-                        store_prefix,
-                    })
-                }
-                Ok(Some(ev)) => tracing::debug!(event = ?ev, "membership event"),
-                Ok(None) => return None,
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot read membership events from the agent");
-                    return None;
-                }
-            }
-        }
+        next_assignment(&mut self.env.membership, self.env.local_rank)
     }
 
     /// Runs until `max_steps` steps are done (counting those of a checkpoint resumed from)
@@ -528,27 +536,9 @@ impl Trainer {
                         if handle_signals && signal::received().is_some() {
                             return true;
                         }
-                        if let Some(m) = membership.as_mut() {
-                            while let Ok(Some(ev)) = m.poll() {
-                                if let MembershipEvent::Assigned {
-                                    new_round,
-                                    rank_base,
-                                    world_size,
-                                    store,
-                                    store_prefix,
-                                    ..
-                                } = ev
-                                {
-                                    moved = Some(Assignment {
-                                        round: new_round,
-                                        rank: rank_base + local_rank,
-                                        world_size,
-                                        store_addr: Some(store),
-                                        store_prefix,
-                                    });
-                                    return true;
-                                }
-                            }
+                        if let Some(a) = next_assignment(membership, local_rank) {
+                            moved = Some(a);
+                            return true;
                         }
                         false
                     },
