@@ -9,6 +9,7 @@
 #![warn(missing_docs)]
 
 pub mod buffer;
+pub mod bulk_copy;
 pub mod collectives;
 pub mod ddp;
 pub mod device;

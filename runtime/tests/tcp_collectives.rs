@@ -180,6 +180,45 @@ fn large_all_reduce_crosses_the_small_message_threshold() {
 }
 
 #[test]
+fn buffers_larger_than_the_cache_are_copied_out_of_the_rings_exactly() {
+    // 8 400 001 f32 (33.6 MB, odd): above the size from which received bytes are copied out
+    // of the shared-memory rings with streaming stores, at unaligned tails and ring wraps.
+    let len = 8_400_001;
+    let out = run_ranks("beyond-cache", 3, TcpOptions::default(), move |rank, pg| {
+        let input = |i: usize| reduce_input(ReduceOp::Sum, rank, i);
+        let reduced = pg
+            .all_reduce(Buffer::from_fn(DType::F32, len, input), ReduceOp::Sum)
+            .wait(WAIT)
+            .unwrap();
+        let mine = move |i: usize| if rank == 1 { input(i) } else { -1.0 };
+        let sent = pg
+            .broadcast(Buffer::from_fn(DType::F32, len, mine), 1)
+            .wait(WAIT)
+            .unwrap();
+        let gathered = pg
+            .all_gather(Buffer::from_fn(DType::F32, len / 3 + 1, move |i| {
+                (rank * 10 + i % 5) as f64
+            }))
+            .wait(WAIT)
+            .unwrap();
+        (reduced, sent, gathered)
+    });
+    let want = Buffer::from_fn(DType::F32, len, |i| {
+        reduce_expected(ReduceOp::Sum, DType::F32, 3, i)
+    });
+    let root = Buffer::from_fn(DType::F32, len, |i| reduce_input(ReduceOp::Sum, 1, i));
+    let block = len / 3 + 1;
+    let gathered = Buffer::from_fn(DType::F32, 3 * block, |i| {
+        ((i / block) * 10 + (i % block) % 5) as f64
+    });
+    for (reduced, sent, got) in &out {
+        assert_bits("all_reduce beyond the cache", reduced, &want);
+        assert_bits("broadcast beyond the cache", sent, &root);
+        assert_bits("all_gather beyond the cache", got, &gathered);
+    }
+}
+
+#[test]
 fn results_are_bit_identical_across_ranks_and_runs() {
     // Inputs whose float sums depend on the order of addition.
     fn input(rank: usize, i: usize) -> f64 {

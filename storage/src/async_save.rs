@@ -4,16 +4,20 @@
 //! after that wait, into the buffers of the previous snapshot when the layout is unchanged, so
 //! memory is bounded by one extra copy of the state (the snapshot being written), and after
 //! the first save no new memory is allocated or faulted in. The caller stalls for the wait (if
-//! the previous save is still running) plus the copy, which runs on every core.
+//! the previous save is still running) plus the copy, which runs on every core with streaming
+//! stores into buffers backed by huge pages where the kernel allows (see [`rekindle_runtime::bulk_copy`]).
 
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use rekindle_runtime::bulk_copy::{advise_huge_pages, copy_bytes};
+
 use crate::dir::CheckpointDir;
 use crate::error::{Result, StorageError};
 use crate::save::CommitInfo;
 use crate::snapshot::Snapshot;
+use crate::tensor::HostTensor;
 
 /// The default bound on waiting for the save in flight.
 pub const DEFAULT_ASYNC_TIMEOUT: Duration = Duration::from_secs(600);
@@ -81,11 +85,23 @@ fn parallel_copy(dst: &mut Snapshot, src: &Snapshot) {
             rest = tail;
             s.spawn(move || {
                 for (d, src) in mine.iter_mut() {
-                    d.copy_from_slice(src);
+                    copy_bytes(d, src);
                 }
             });
         }
     });
+}
+
+/// Zero-filled buffers of `live`'s layout, not yet touched (so still unbacked), advised to use
+/// huge pages, for the first copy.
+fn fresh_like(live: &Snapshot) -> Result<Snapshot> {
+    let mut fresh = Snapshot::new(live.state.clone());
+    for e in live.entries() {
+        let mut t = HostTensor::zeros(e.tensor.dtype(), e.tensor.shape());
+        advise_huge_pages(t.as_bytes_mut());
+        fresh.insert_in(&e.group, &e.name, e.device, t)?;
+    }
+    Ok(fresh)
 }
 
 impl AsyncCheckpointer {
@@ -148,13 +164,11 @@ impl AsyncCheckpointer {
     pub fn save(&self, live: &Snapshot) -> Result<()> {
         let mut st = self.lock()?;
         self.wait_in_flight(&mut st, self.timeout)?;
-        let snapshot = match st.spare.take() {
-            Some(mut spare) if same_layout(&spare, live) => {
-                parallel_copy(&mut spare, live);
-                spare
-            }
-            _ => live.clone(),
+        let mut snapshot = match st.spare.take() {
+            Some(spare) if same_layout(&spare, live) => spare,
+            _ => fresh_like(live)?,
         };
+        parallel_copy(&mut snapshot, live);
         self.start(&mut st, snapshot);
         Ok(())
     }

@@ -127,6 +127,15 @@ impl Snapshot {
     pub fn get(&self, name: &str) -> Option<&SnapshotEntry> {
         self.entries.iter().find(|e| e.name == name)
     }
+
+    /// A tensor by name, to update a long-lived snapshot in place between saves (its dtype
+    /// and shape cannot change).
+    pub fn tensor_mut(&mut self, name: &str) -> Option<&mut HostTensor> {
+        self.entries
+            .iter_mut()
+            .find(|e| e.name == name)
+            .map(|e| &mut e.tensor)
+    }
 }
 
 #[cfg(test)]

@@ -245,6 +245,55 @@ fn async_saves_one_at_a_time_and_flush() {
 }
 
 #[test]
+fn async_saves_of_large_tensors_hold_the_state_of_their_call() {
+    // Tensors above the streaming-copy threshold, of odd lengths, each save from the same live
+    // state changed between calls: every checkpoint must hold the bytes of its own call, not
+    // those of a later change to the live state or of the reused snapshot buffers.
+    let root = tempfile::tempdir().unwrap();
+    let saver = AsyncCheckpointer::new(CheckpointDir::new(root.path()).unwrap());
+    let fill = |step: u64, n: usize| -> Vec<u8> {
+        (0..n)
+            .map(|i| ((i as u64 * 7 + step * 13) % 251) as u8)
+            .collect()
+    };
+    let sizes = [(3 << 20) + 13, (1 << 20) + 4095, 999];
+    let mut live = Snapshot::new(state(1));
+    for (k, n) in sizes.iter().enumerate() {
+        let t = rekindle_storage::HostTensor::from_bytes(TensorDType::U8, &[*n], &fill(1, *n));
+        live.insert(&format!("t{k}"), t.unwrap()).unwrap();
+    }
+    for step in 1..=3u64 {
+        live.state = state(step);
+        for (k, n) in sizes.iter().enumerate() {
+            let t = live.tensor_mut(&format!("t{k}")).unwrap();
+            t.as_bytes_mut().copy_from_slice(&fill(step, *n));
+        }
+        saver.save(&live).unwrap();
+        // Change the live state at once, while the save is being written.
+        for k in 0..sizes.len() {
+            live.tensor_mut(&format!("t{k}"))
+                .unwrap()
+                .as_bytes_mut()
+                .fill(0xEE);
+        }
+    }
+    saver.flush(Duration::from_secs(60)).unwrap();
+    for step in 1..=3u64 {
+        let c = saver
+            .dir()
+            .load_step(step, &LoadOptions::default())
+            .unwrap();
+        for (k, n) in sizes.iter().enumerate() {
+            let t = c.tensor(&format!("t{k}")).unwrap();
+            assert!(
+                t.bytes() == fill(step, *n).as_slice(),
+                "step {step} tensor t{k}"
+            );
+        }
+    }
+}
+
+#[test]
 fn varmap_round_trips_through_candle() {
     let root = tempfile::tempdir().unwrap();
     let dir = CheckpointDir::new(root.path()).unwrap();

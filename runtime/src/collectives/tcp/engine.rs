@@ -19,6 +19,7 @@ use super::bootstrap::PeerLinks;
 use super::link::{self, Io};
 use super::shm::ShmPair;
 use crate::buffer::Buffer;
+use crate::bulk_copy::copy_streaming;
 use crate::collectives::reduce::{combine, finish_avg, ReduceOp};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -84,6 +85,10 @@ pub(crate) enum Mode {
     /// As `Reduce`, then divide by the world size for `Avg`: the element's sum is complete.
     ReduceFinish,
 }
+
+/// Received bytes are copied out of a ring with streaming stores into buffers of at least
+/// this size, which cannot stay in the last-level cache anyway (see [`crate::bulk_copy`]).
+const STREAM_REGION_BYTES: usize = 32 << 20;
 
 struct Region {
     ptr: *mut u8,
@@ -877,7 +882,10 @@ impl Mesh {
             // bytes exists during this call.
             let dst =
                 unsafe { std::slice::from_raw_parts_mut(region.ptr.add(item.start + l.off), n) };
-            if item.mode == Mode::Copy {
+            if item.mode == Mode::Copy && region.len >= STREAM_REGION_BYTES {
+                copy_streaming(&mut dst[..a.len()], a);
+                copy_streaming(&mut dst[a.len()..], b);
+            } else if item.mode == Mode::Copy {
                 dst[..a.len()].copy_from_slice(a);
                 dst[a.len()..].copy_from_slice(b);
             } else {
