@@ -176,6 +176,32 @@ fn a_missing_rank_fails_bootstrap_at_its_deadline() {
 }
 
 #[test]
+fn a_root_blocked_on_a_full_ring_names_the_peer_it_waits_on() {
+    // The root of a broadcast only sends; once its ring toward the peer is full, its lanes
+    // wait to write, not to read. The peer is alive (heartbeats), so it is not "silent", and
+    // the timeout must still name it as the rank the root waits on.
+    let store: Arc<dyn Store> = Arc::new(InMemoryStore::new());
+    let s1 = store.clone();
+    let h = std::thread::spawn(move || {
+        let mut c = config("full-ring", 0, 1, 2, s1);
+        c.op_timeout = Duration::from_millis(300);
+        ProcessGroup::tcp(c, TcpOptions::default()).unwrap()
+    });
+    let mut c = config("full-ring", 0, 0, 2, store);
+    c.op_timeout = Duration::from_millis(300);
+    let pg0 = ProcessGroup::tcp(c, TcpOptions::default()).unwrap();
+    let _pg1 = h.join().unwrap(); // alive, but never takes part
+    let e = pg0
+        .broadcast(Buffer::from(vec![1.0f32; 4 << 20]), 0)
+        .wait(WAIT)
+        .unwrap_err();
+    match e {
+        Error::Timeout { waiting_on, .. } => assert_eq!(waiting_on, vec![1]),
+        other => panic!("expected a timeout, got {other}"),
+    }
+}
+
+#[test]
 fn a_hung_peer_is_caught_by_the_op_deadline() {
     let store: Arc<dyn Store> = Arc::new(InMemoryStore::new());
     let s1 = store.clone();

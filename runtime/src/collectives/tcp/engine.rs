@@ -715,7 +715,8 @@ impl Mesh {
             }
             if now >= deadline {
                 // Name the silent peers if any (a stopped process sends no heartbeats; one
-                // merely blocked behind it still does); else the peers this rank's lanes wait on.
+                // merely blocked behind it still does); else the peers this rank's lanes wait
+                // on: to read from, or to write to (a full socket or a full ring alike).
                 let mut waiting_on = self.silent_peers(now);
                 if waiting_on.is_empty() {
                     waiting_on = plan
@@ -726,7 +727,7 @@ impl Mesh {
                         .chain(
                             plan.outs
                                 .iter()
-                                .filter(|l| want_write[l.peer])
+                                .filter(|l| want_write[l.peer] || shm_wait_out.contains(&l.peer))
                                 .map(|l| l.peer),
                         )
                         .collect();
