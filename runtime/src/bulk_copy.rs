@@ -122,6 +122,25 @@ mod tests {
     }
 
     #[test]
+    fn streaming_copies_of_any_length_are_exact() {
+        // The ring copy-out streams pieces of any length, down to a few bytes.
+        let src: Vec<u8> = (0..4096).map(|i| (i * 17 % 253) as u8).collect();
+        for len in [0, 1, 15, 16, 17, 63, 64, 65, 127, 1000, 4000] {
+            for dst_off in [0, 1, 8, 15] {
+                let mut dst = vec![0xAAu8; len + dst_off + 16];
+                copy_streaming(&mut dst[dst_off..dst_off + len], &src[3..3 + len]);
+                assert_eq!(
+                    &dst[dst_off..dst_off + len],
+                    &src[3..3 + len],
+                    "{len} at {dst_off}"
+                );
+                assert!(dst[..dst_off].iter().all(|&b| b == 0xAA));
+                assert!(dst[dst_off + len..].iter().all(|&b| b == 0xAA));
+            }
+        }
+    }
+
+    #[test]
     fn huge_page_advice_keeps_the_contents() {
         let mut v = vec![3u8; 5 << 20];
         advise_huge_pages(&mut v[1..]);

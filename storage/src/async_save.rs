@@ -5,7 +5,8 @@
 //! memory is bounded by one extra copy of the state (the snapshot being written), and after
 //! the first save no new memory is allocated or faulted in. The caller stalls for the wait (if
 //! the previous save is still running) plus the copy, which runs on every core with streaming
-//! stores into buffers backed by huge pages where the kernel allows (see [`rekindle_runtime::bulk_copy`]).
+//! stores, into buffers backed by huge pages where the kernel allows (see
+//! [`rekindle_runtime::bulk_copy`]).
 
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
