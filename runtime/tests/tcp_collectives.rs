@@ -181,8 +181,9 @@ fn large_all_reduce_crosses_the_small_message_threshold() {
 
 #[test]
 fn buffers_larger_than_the_cache_are_copied_out_of_the_rings_exactly() {
-    // 8 400 001 f32 (33.6 MB, odd): above the size from which received bytes are copied out
-    // of the shared-memory rings with streaming stores, at unaligned tails and ring wraps.
+    // 8 400 001 f32 (33.6 MB, odd; all_gather blocks of 11.2 MB into a 33.6 MB output): above
+    // the size from which received bytes are copied out of the shared-memory rings with
+    // streaming stores, at unaligned tails and ring wraps.
     let len = 8_400_001;
     let out = run_ranks("beyond-cache", 3, TcpOptions::default(), move |rank, pg| {
         let input = |i: usize| reduce_input(ReduceOp::Sum, rank, i);

@@ -87,8 +87,12 @@ pub(crate) enum Mode {
 }
 
 /// Received bytes are copied out of a ring with streaming stores into buffers of at least
-/// this size, which cannot stay in the last-level cache anyway (see [`crate::bulk_copy`]).
-const STREAM_REGION_BYTES: usize = 32 << 20;
+/// this size (see [`crate::bulk_copy`]): with the sender's buffer and the rings competing for
+/// the last-level cache, such a destination is mostly evicted before the caller reads it.
+/// Measured on the project's VM (32 MiB L3): at 16 MiB streaming sped up 2-rank broadcast
+/// 1.9x and 2- and 4-rank all-reduce by a quarter; at 1 MiB, which stays in cache, it slowed
+/// the all-reduce by a third (docs/benchmarks.md).
+const STREAM_REGION_BYTES: usize = 16 << 20;
 
 struct Region {
     ptr: *mut u8,
