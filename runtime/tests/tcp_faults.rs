@@ -175,22 +175,28 @@ fn a_missing_rank_fails_bootstrap_at_its_deadline() {
     assert!(t.elapsed() < Duration::from_secs(5));
 }
 
+/// A two-rank group with a 300 ms op deadline whose rank 1 is alive (it heartbeats) but never
+/// takes part in an operation: (rank 0, rank 1).
+fn pair_with_an_idle_peer(job: &'static str) -> (ProcessGroup, ProcessGroup) {
+    let store: Arc<dyn Store> = Arc::new(InMemoryStore::new());
+    let s1 = store.clone();
+    let h = std::thread::spawn(move || {
+        let mut c = config(job, 0, 1, 2, s1);
+        c.op_timeout = Duration::from_millis(300);
+        ProcessGroup::tcp(c, TcpOptions::default()).unwrap()
+    });
+    let mut c = config(job, 0, 0, 2, store);
+    c.op_timeout = Duration::from_millis(300);
+    let pg0 = ProcessGroup::tcp(c, TcpOptions::default()).unwrap();
+    (pg0, h.join().unwrap())
+}
+
 #[test]
 fn a_root_blocked_on_a_full_ring_names_the_peer_it_waits_on() {
     // The root of a broadcast only sends; once its ring toward the peer is full, its lanes
     // wait to write, not to read. The peer is alive (heartbeats), so it is not "silent", and
     // the timeout must still name it as the rank the root waits on.
-    let store: Arc<dyn Store> = Arc::new(InMemoryStore::new());
-    let s1 = store.clone();
-    let h = std::thread::spawn(move || {
-        let mut c = config("full-ring", 0, 1, 2, s1);
-        c.op_timeout = Duration::from_millis(300);
-        ProcessGroup::tcp(c, TcpOptions::default()).unwrap()
-    });
-    let mut c = config("full-ring", 0, 0, 2, store);
-    c.op_timeout = Duration::from_millis(300);
-    let pg0 = ProcessGroup::tcp(c, TcpOptions::default()).unwrap();
-    let _pg1 = h.join().unwrap(); // alive, but never takes part
+    let (pg0, _pg1) = pair_with_an_idle_peer("full-ring");
     let e = pg0
         .broadcast(Buffer::from(vec![1.0f32; 4 << 20]), 0)
         .wait(WAIT)
@@ -203,17 +209,7 @@ fn a_root_blocked_on_a_full_ring_names_the_peer_it_waits_on() {
 
 #[test]
 fn a_hung_peer_is_caught_by_the_op_deadline() {
-    let store: Arc<dyn Store> = Arc::new(InMemoryStore::new());
-    let s1 = store.clone();
-    let h = std::thread::spawn(move || {
-        let mut c = config("hang", 0, 1, 2, s1);
-        c.op_timeout = Duration::from_millis(300);
-        ProcessGroup::tcp(c, TcpOptions::default()).unwrap()
-    });
-    let mut c = config("hang", 0, 0, 2, store);
-    c.op_timeout = Duration::from_millis(300);
-    let pg0 = ProcessGroup::tcp(c, TcpOptions::default()).unwrap();
-    let _pg1 = h.join().unwrap(); // alive, but never takes part
+    let (pg0, _pg1) = pair_with_an_idle_peer("hang");
     let e = pg0
         .all_reduce(Buffer::from(vec![1.0f64; 10]), ReduceOp::Sum)
         .wait(WAIT)
