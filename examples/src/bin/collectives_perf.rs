@@ -74,6 +74,10 @@ struct Args {
     /// Shared-memory ring size per direction, in bytes.
     #[arg(long, value_parser = parse_size)]
     ring: Option<usize>,
+    /// Pin rank r (and the threads it starts) to CPU r mod the number of CPUs this process may
+    /// use, so ring neighbours sit on different cores when ranks outnumber cores.
+    #[arg(long)]
+    bind: bool,
 }
 
 fn parse_size(s: &str) -> Result<usize, String> {
@@ -313,7 +317,33 @@ fn run_once(
     Ok((wrong, reuse))
 }
 
+/// Pins this process to the `rank mod n`-th of the n CPUs it may run on.
+fn bind_to_cpu(rank: usize) -> Result<()> {
+    // SAFETY: cpu_set_t is plain data; the calls get and set this process's own affinity.
+    unsafe {
+        let mut allowed: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut allowed) != 0 {
+            bail!("sched_getaffinity: {}", std::io::Error::last_os_error());
+        }
+        let cpus: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
+            .filter(|&c| libc::CPU_ISSET(c, &allowed))
+            .collect();
+        if cpus.is_empty() {
+            bail!("no CPU in this process's affinity mask");
+        }
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpus[rank % cpus.len()], &mut set);
+        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+            bail!("sched_setaffinity: {}", std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
 fn rank_main(args: Args, rank: usize) -> Result<()> {
+    if args.bind {
+        bind_to_cpu(rank)?;
+    }
     let world: usize = std::env::var("REKINDLE_PERF_WORLD")?.parse()?;
     let dir = std::env::var("REKINDLE_PERF_STORE")?;
     let store: Arc<dyn Store> = Arc::new(FileStore::new(dir)?);
