@@ -16,12 +16,11 @@ const STREAM_MIN_BYTES: usize = 256 << 10;
 /// copied otherwise). Copies of at least 256 KiB bypass the cache (see the module docs).
 pub fn copy_bytes(dst: &mut [u8], src: &[u8]) {
     let n = dst.len().min(src.len());
-    let (dst, src) = (&mut dst[..n], &src[..n]);
     if n < STREAM_MIN_BYTES {
-        dst.copy_from_slice(src);
-        return;
+        dst[..n].copy_from_slice(&src[..n]);
+    } else {
+        copy_streaming(dst, src);
     }
-    stream_copy(dst, src);
 }
 
 /// Copies `src` into `dst` (the common prefix of the two) with streaming stores whatever the

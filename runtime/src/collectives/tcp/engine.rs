@@ -887,12 +887,15 @@ impl Mesh {
             // bytes exists during this call.
             let dst =
                 unsafe { std::slice::from_raw_parts_mut(region.ptr.add(item.start + l.off), n) };
-            if item.mode == Mode::Copy && region.len >= STREAM_REGION_BYTES {
-                copy_streaming(&mut dst[..a.len()], a);
-                copy_streaming(&mut dst[a.len()..], b);
-            } else if item.mode == Mode::Copy {
-                dst[..a.len()].copy_from_slice(a);
-                dst[a.len()..].copy_from_slice(b);
+            if item.mode == Mode::Copy {
+                let copy = if region.len >= STREAM_REGION_BYTES {
+                    copy_streaming
+                } else {
+                    <[u8]>::copy_from_slice
+                };
+                let (d1, d2) = dst.split_at_mut(a.len());
+                copy(d1, a);
+                copy(d2, b);
             } else {
                 let (d1, d2) = dst.split_at_mut(a.len());
                 combine(rop, dtype, d1, a);
