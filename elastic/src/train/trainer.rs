@@ -655,7 +655,9 @@ impl Trainer {
             .max_by(|(ra, a), (rb, b)| a.step.cmp(&b.step).then(rb.cmp(ra)))
             .map(|(r, _)| r)
             .unwrap_or(0);
-        let mut ddp = match Ddp::with_root(&self.varmap, pg, self.options.ddp.clone(), src) {
+        let mut ddp_options = self.options.ddp.clone();
+        ddp_options.timeout = ddp_options.timeout.max(self.collective_wait());
+        let mut ddp = match Ddp::with_root(&self.varmap, pg, ddp_options, src) {
             Ok(d) => d,
             Err(e @ DdpError::Collective { .. }) => {
                 return Ok(Interrupt::Failed(format!("syncing parameters: {e}")))
@@ -667,7 +669,7 @@ impl Trainer {
         } else {
             None
         };
-        match broadcast_state(ddp.process_group(), mine, src, self.options.op_timeout) {
+        match broadcast_state(ddp.process_group(), mine, src, self.collective_wait()) {
             Ok(state) => {
                 if rank != src {
                     self.import_state(&state, None)?;
@@ -709,6 +711,14 @@ impl Trainer {
             ddp.process_group().abort();
         }
         out
+    }
+
+    /// How long this rank waits for a collective's result. The backend's own deadline
+    /// (`op_timeout`, counted from when the operation starts) fails a stuck operation first and
+    /// names the silent ranks; waiting no longer than `op_timeout` here would race it and could
+    /// end with an error that names nobody, leaving no rank to evict.
+    fn collective_wait(&self) -> Duration {
+        self.options.op_timeout * 2 + Duration::from_secs(1)
     }
 
     /// Asks the agents of the ranks that went silent to replace them.
@@ -798,7 +808,7 @@ impl Trainer {
             let loss = match ddp
                 .process_group()
                 .all_reduce(Buffer::from(vec![sum, n]), ReduceOp::Sum)
-                .wait(self.options.op_timeout)
+                .wait(self.collective_wait())
             {
                 Ok(b) => match b.as_slice::<f64>() {
                     Some(&[s, n]) if n > 0.0 => Some(s / n),
