@@ -15,6 +15,8 @@ use std::net::TcpStream;
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 
+use crate::bulk_copy::copy_streaming;
+
 /// Bytes of the control page at the start of every ring file.
 const CTL_BYTES: usize = 4096;
 
@@ -146,8 +148,9 @@ impl Ring {
     }
 
     /// Writer: copies as much of `src` as fits; returns the bytes written and whether the
-    /// reader asked for a doorbell.
-    pub(crate) fn write(&self, src: &[u8]) -> (usize, bool) {
+    /// reader asked for a doorbell. With `streaming`, the bytes go to memory with streaming
+    /// stores (see [`crate::bulk_copy`]) instead of through this core's cache.
+    pub(crate) fn write(&self, src: &[u8], streaming: bool) -> (usize, bool) {
         let ctl = self.ctl();
         let tail = ctl.tail.load(Ordering::Relaxed);
         let head = ctl.head.load(Ordering::Acquire);
@@ -158,12 +161,22 @@ impl Ring {
         }
         let at = (tail % self.cap as u64) as usize;
         let first = n.min(self.cap - at);
-        // SAFETY: the SPSC protocol gives the writer the free range [tail, head + cap); the
-        // two pieces are within the data area.
-        unsafe {
-            std::ptr::copy_nonoverlapping(src.as_ptr(), self.data().add(at), first);
-            std::ptr::copy_nonoverlapping(src.as_ptr().add(first), self.data(), n - first);
-        }
+        // SAFETY: the SPSC protocol gives the writer the free range [tail, head + cap), which
+        // the reader does not touch until `tail` is published below; the two pieces are
+        // within the data area.
+        let (d1, d2) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(self.data().add(at), first),
+                std::slice::from_raw_parts_mut(self.data(), n - first),
+            )
+        };
+        let copy = if streaming {
+            copy_streaming // fenced: the stores are visible before `tail` moves
+        } else {
+            <[u8]>::copy_from_slice
+        };
+        copy(d1, &src[..first]);
+        copy(d2, &src[first..n]);
         ctl.tail.store(tail + n as u64, Ordering::SeqCst);
         fence(Ordering::SeqCst);
         let ring = ctl.rx_wait.swap(0, Ordering::SeqCst) == 1;
@@ -289,23 +302,46 @@ mod tests {
         unsafe { libc::unlink(path.as_ptr()) };
         assert!(r.wait_for_data(), "empty ring waits");
         let data: Vec<u8> = (0..100u8).collect();
-        let (n, bell) = w.write(&data);
+        let (n, bell) = w.write(&data, false);
         assert_eq!(
             (n, bell),
             (64, true),
             "fills the ring and rings the waiting reader"
         );
-        assert_eq!(w.write(&data[64..]).0, 0, "full");
+        assert_eq!(w.write(&data[64..], false).0, 0, "full");
         assert!(w.wait_for_space());
         let (a, b) = r.readable(40);
         assert_eq!((a.len(), b.len()), (40, 0));
         assert_eq!(a, &data[..40]);
         assert!(r.consume(40), "rings the waiting writer");
-        let (n, _) = w.write(&data[64..]);
+        let (n, _) = w.write(&data[64..], false);
         assert_eq!(n, 36);
         let (a, b) = r.readable(usize::MAX);
         let got: Vec<u8> = a.iter().chain(b).copied().collect();
         assert_eq!(got, &data[40..]);
         assert!(!r.consume(got.len()));
+    }
+
+    #[test]
+    fn streaming_writes_carry_the_same_bytes_across_wraps() {
+        // Pieces of odd lengths at every offset of the ring, each written with streaming
+        // stores and read back: the bytes that arrive are the bytes sent, in order.
+        const CAP: usize = 4096;
+        let (r, path) = Ring::create(CAP).unwrap();
+        let w = Ring::open(&path, CAP).unwrap();
+        unsafe { libc::unlink(path.as_ptr()) };
+        let data: Vec<u8> = (0..200_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
+        let (mut sent, mut got) = (0, Vec::with_capacity(data.len()));
+        let mut piece = 1;
+        while got.len() < data.len() {
+            let end = (sent + piece).min(data.len());
+            sent += w.write(&data[sent..end], true).0;
+            piece = piece % 3001 + 977;
+            let (a, b) = r.readable(piece / 2 + 1);
+            got.extend_from_slice(a);
+            got.extend_from_slice(b);
+            r.consume(a.len() + b.len());
+        }
+        assert_eq!(got, data);
     }
 }
