@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use super::bootstrap::PeerLinks;
 use super::link::{self, Io};
 use super::shm::ShmPair;
+use super::write_mode::{Choice, WriteModes, MIN_LANE_BYTES};
 use crate::buffer::Buffer;
 use crate::bulk_copy::copy_streaming;
 use crate::collectives::reduce::{combine, finish_avg, ReduceOp};
@@ -94,15 +95,6 @@ pub(crate) enum Mode {
 /// the all-reduce by a third (docs/benchmarks.md).
 const STREAM_REGION_BYTES: usize = 16 << 20;
 
-/// A lane that moves at least this many bytes through a shared-memory ring writes them with
-/// streaming stores. The reader then loads them from memory, where its prefetchers keep up,
-/// instead of pulling each line out of the writer's cache, and the writer's next lap over the
-/// ring need not first invalidate the reader's copies of its lines. Measured on the project's
-/// VM in alternating runs: 2-rank all-reduce of 512 KiB to 256 MiB ran 1.3-4.2x faster, 4-rank
-/// 2.7x, broadcast 8x; lanes of 64-256 KiB stay in cache, and streaming slowed them by a
-/// third (docs/benchmarks.md).
-const STREAM_LANE_BYTES: usize = 512 << 10;
-
 struct Region {
     ptr: *mut u8,
     len: usize,
@@ -132,7 +124,8 @@ struct OutLane {
     items: Vec<SendItem>,
     cur: usize,
     off: usize,
-    /// Write into a shared-memory ring with streaming stores (set by `run`).
+    /// Write into a shared-memory ring with streaming stores (set by `run`, see
+    /// [`super::write_mode`]).
     streaming: bool,
 }
 
@@ -160,6 +153,8 @@ pub(crate) struct Plan {
     dtype: DType,
     op: ReduceOp,
     world: usize,
+    /// How this run writes its large shared-memory lanes (set by `Mesh::run`).
+    write_choice: Option<Choice>,
 }
 
 impl Plan {
@@ -173,6 +168,7 @@ impl Plan {
             dtype,
             op,
             world,
+            write_choice: None,
         }
     }
 
@@ -374,6 +370,8 @@ pub(crate) struct Mesh {
     control: ControlSender,
     /// A peer silent for longer than this is presumed hung when naming a timeout's culprit.
     silence: Duration,
+    /// Streaming or ordinary stores for large lanes into shared-memory rings, as measured.
+    write_modes: WriteModes,
 }
 
 /// The longest single poll, so an abort is seen even if no socket event wakes us.
@@ -436,6 +434,7 @@ impl Mesh {
             notice: None,
             control,
             silence,
+            write_modes: WriteModes::default(),
         }
     }
 
@@ -587,8 +586,13 @@ impl Mesh {
         op: &'static str,
         deadline: Instant,
     ) -> Result<()> {
+        let started = Instant::now();
         self.run_inner(plan, op, deadline)
-            .map_err(|e| self.unless_aborted(e))
+            .map_err(|e| self.unless_aborted(e))?;
+        if let Some(choice) = plan.write_choice {
+            self.write_modes.record(choice, started.elapsed());
+        }
+        Ok(())
     }
 
     fn run_inner(&mut self, plan: &mut Plan, op: &'static str, deadline: Instant) -> Result<()> {
@@ -621,12 +625,20 @@ impl Mesh {
         // Lanes through shared memory end on an 8-byte boundary, so every element in a ring
         // is aligned for its dtype and a wrap never splits one.
         let pad = plan.pad_region();
+        let mut largest = 0;
         for i in 0..plan.outs.len() {
             if self.is_shm(plan.outs[i].peer) {
                 let total: usize =
                     HEADER_LEN + plan.outs[i].items.iter().map(|x| x.len).sum::<usize>();
                 plan.send(i, pad, 0, (8 - total % 8) % 8, 0);
-                plan.outs[i].streaming = total >= STREAM_LANE_BYTES;
+                largest = largest.max(total);
+            }
+        }
+        plan.write_choice = self.write_modes.choose(largest);
+        if let Some(choice) = plan.write_choice {
+            for l in plan.outs.iter_mut() {
+                let total: usize = l.items.iter().map(|x| x.len).sum();
+                l.streaming = choice.streaming && total >= MIN_LANE_BYTES;
             }
         }
         for i in 0..plan.ins.len() {

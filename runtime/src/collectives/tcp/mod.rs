@@ -18,6 +18,7 @@ mod engine;
 mod handshake;
 mod link;
 mod shm;
+mod write_mode;
 
 use std::net::{IpAddr, Ipv4Addr, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
