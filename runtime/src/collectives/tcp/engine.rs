@@ -625,20 +625,21 @@ impl Mesh {
         // Lanes through shared memory end on an 8-byte boundary, so every element in a ring
         // is aligned for its dtype and a wrap never splits one.
         let pad = plan.pad_region();
-        let mut largest = 0;
-        for i in 0..plan.outs.len() {
-            if self.is_shm(plan.outs[i].peer) {
-                let total: usize =
-                    HEADER_LEN + plan.outs[i].items.iter().map(|x| x.len).sum::<usize>();
-                plan.send(i, pad, 0, (8 - total % 8) % 8, 0);
-                largest = largest.max(total);
-            }
+        let shm_outs: Vec<(usize, usize)> = (0..plan.outs.len())
+            .filter(|&i| self.is_shm(plan.outs[i].peer))
+            .map(|i| {
+                let total = HEADER_LEN + plan.outs[i].items.iter().map(|x| x.len).sum::<usize>();
+                (i, total)
+            })
+            .collect();
+        for &(i, total) in &shm_outs {
+            plan.send(i, pad, 0, (8 - total % 8) % 8, 0);
         }
+        let largest = shm_outs.iter().map(|&(_, total)| total).max().unwrap_or(0);
         plan.write_choice = self.write_modes.choose(largest);
         if let Some(choice) = plan.write_choice {
-            for l in plan.outs.iter_mut() {
-                let total: usize = l.items.iter().map(|x| x.len).sum();
-                l.streaming = choice.streaming && total >= MIN_LANE_BYTES;
+            for &(i, total) in &shm_outs {
+                plan.outs[i].streaming = choice.streaming && total >= MIN_LANE_BYTES;
             }
         }
         for i in 0..plan.ins.len() {

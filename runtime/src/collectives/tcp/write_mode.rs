@@ -13,9 +13,9 @@
 //! - the next `2 * CALIBRATE` alternate between the two modes, on the same operations on every
 //!   rank, since every rank counts the same sequence of collectives;
 //! - then the mode with the lower cost (nanoseconds per byte: the best calibration sample, then
-//!   a moving average) is used, and
-//!   the other is tried again after [`FIRST_RETRY`] operations; each retry that confirms the
-//!   choice doubles the interval (up to [`MAX_RETRY`]), a retry that overturns it resets it.
+//!   a moving average) is used, and the other is tried again after [`FIRST_RETRY`]
+//!   operations; each retry that confirms the choice doubles the interval (up to
+//!   [`MAX_RETRY`]), a retry that overturns it resets it.
 //!
 //! With a 4x gap, the retries cost under 0.4% of the time once the interval has grown to 1024.
 
@@ -125,7 +125,7 @@ impl WriteModes {
 
     /// Records how long the operation of `choice` took.
     pub(crate) fn record(&mut self, choice: Choice, elapsed: Duration) {
-        if !choice.measured || choice.bytes == 0 {
+        if !choice.measured {
             return;
         }
         let c = &mut self.classes[choice.class];
