@@ -64,8 +64,22 @@ pub enum Error {
         /// What the transport saw (EOF, reset, ...).
         reason: String,
     },
+    /// A peer died or its connection broke during a collective, but the backend cannot tell
+    /// which peer (NCCL reports a remote or system error for a collective without the rank).
+    /// The group is broken and must be re-formed; the rendezvous, not this error, says who is
+    /// gone, so nobody is to be evicted on it alone.
+    #[error("rank {rank}: a peer was lost during {op} (the backend cannot tell which): {reason}")]
+    PeerLostUnidentified {
+        /// This process's rank.
+        rank: usize,
+        /// The operation that noticed.
+        op: &'static str,
+        /// What the transport reported.
+        reason: String,
+    },
     /// An operation did not complete within its deadline; `waiting_on` names the peers it still
-    /// expected data from or could not send to.
+    /// expected data from or could not send to, and is empty when the backend cannot tell
+    /// (an NCCL collective): the group has then failed, but no peer is known to be at fault.
     #[error("rank {rank}: {op} timed out after {elapsed:?} waiting on ranks {waiting_on:?}")]
     Timeout {
         /// This process's rank.
@@ -129,6 +143,16 @@ pub enum Error {
         source_desc: String,
         /// Why it failed.
         reason: String,
+    },
+    /// The built-in default secret was about to be used off loopback.
+    #[error(
+        "the built-in default job secret is for single-host runs only, but {addr} is not a \
+         loopback address: give every process of the job the same secret with \
+         REKINDLE_SECRET_FILE=<file holding it> (or REKINDLE_SECRET=<secret>)"
+    )]
+    DefaultSecretOffLoopback {
+        /// The first non-loopback address.
+        addr: String,
     },
     /// A store operation failed.
     #[error(transparent)]

@@ -16,6 +16,8 @@ pub mod device;
 pub mod dtype;
 pub mod error;
 pub mod optim;
+pub mod parallel;
+pub mod pipeline;
 pub mod process_group;
 pub mod sampler;
 pub mod secret;
@@ -23,7 +25,7 @@ pub mod store;
 
 pub use buffer::Buffer;
 pub use collectives::nccl::NcclBackend;
-pub use collectives::tcp::{TcpBackend, TcpOptions};
+pub use collectives::tcp::{PeerTransport, TcpBackend, TcpOptions, WireMode};
 pub use collectives::{segment, Backend, Collective, ReduceOp, Work};
 pub use device::{cuda_device_count, Device};
 pub use dtype::{DType, Element};

@@ -148,8 +148,13 @@ impl ProcessGroup {
     }
 
     /// Forms a group over the TCP backend (blocks until every rank connected, or the
-    /// bootstrap deadline).
+    /// bootstrap deadline). The built-in default secret is refused
+    /// ([`Error::DefaultSecretOffLoopback`]) when the group would listen on or advertise an
+    /// address off loopback.
     pub fn tcp(config: GroupConfig, options: crate::TcpOptions) -> Result<Self> {
+        let mut addrs = vec![options.bind_addr];
+        addrs.extend(options.advertise_addr);
+        config.secret.check_exposure(&addrs)?;
         Ok(Self::new(Arc::new(crate::TcpBackend::new(
             config, options,
         )?)))
@@ -261,5 +266,46 @@ impl ProcessGroup {
     /// The first failure, if the group is broken and must be rebuilt.
     pub fn error(&self) -> Option<Error> {
         self.backend.error()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::InMemoryStore;
+
+    fn config(secret: JobSecret) -> GroupConfig {
+        let mut c = GroupConfig::new("exposure", 0, 0, 1, Arc::new(InMemoryStore::new())).unwrap();
+        c.secret = secret;
+        c
+    }
+
+    #[test]
+    fn the_default_secret_is_refused_off_loopback() {
+        let everywhere = crate::TcpOptions {
+            bind_addr: "0.0.0.0".parse().unwrap(),
+            ..Default::default()
+        };
+        let e = ProcessGroup::tcp(config(JobSecret::default_single_host()), everywhere.clone())
+            .unwrap_err();
+        assert!(
+            matches!(&e, Error::DefaultSecretOffLoopback { addr } if addr == "0.0.0.0"),
+            "{e}"
+        );
+        let advertised = crate::TcpOptions {
+            advertise_addr: Some("192.0.2.1".parse().unwrap()),
+            ..Default::default()
+        };
+        let e =
+            ProcessGroup::tcp(config(JobSecret::default_single_host()), advertised).unwrap_err();
+        assert!(matches!(e, Error::DefaultSecretOffLoopback { .. }), "{e}");
+        let pg = ProcessGroup::tcp(config(JobSecret::new("real").unwrap()), everywhere).unwrap();
+        assert_eq!(pg.world_size(), 1);
+        let pg = ProcessGroup::tcp(
+            config(JobSecret::default_single_host()),
+            crate::TcpOptions::default(),
+        )
+        .unwrap();
+        assert_eq!(pg.rank(), 0);
     }
 }

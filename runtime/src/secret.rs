@@ -3,8 +3,15 @@
 //! Read, in order, from `REKINDLE_SECRET` (the secret itself) or `REKINDLE_SECRET_FILE` (a file
 //! whose contents, without a trailing newline, are the secret). With neither set, the documented
 //! single-host default [`DEFAULT_SECRET`] is used: it keeps a stray process of another job from
-//! joining by accident but is no protection against anyone who can read this source, so set a
-//! real secret for any run that listens on a non-loopback address.
+//! joining by accident but is no protection against anyone who can read this source, so it is
+//! refused for anything that listens on or connects to a non-loopback address
+//! ([`JobSecret::check_exposure`]).
+//!
+//! The primitives here ([`JobSecret::mac`], [`JobSecret::verify`], [`nonce`],
+//! [`JobSecret::derive`]) are what every authenticated connection of a job is built from: the
+//! collectives' handshake and the embedded store's.
+
+use std::net::IpAddr;
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -86,14 +93,37 @@ impl JobSecret {
         Ok(JobSecret::default_single_host())
     }
 
-    /// HMAC-SHA256 of the concatenated parts under this secret.
-    pub(crate) fn mac(&self, parts: &[&[u8]]) -> [u8; 32] {
+    /// HMAC-SHA256 of `parts` under this secret. Each part is preceded by its length, so the
+    /// boundaries between parts are bound too (`["ab", "c"]` and `["a", "bc"]` differ).
+    pub fn mac(&self, parts: &[&[u8]]) -> [u8; 32] {
         self.hmac(parts).finalize().into_bytes().into()
     }
 
-    /// Checks a MAC in constant time.
-    pub(crate) fn verify(&self, parts: &[&[u8]], tag: &[u8]) -> bool {
+    /// Checks `tag` against [`JobSecret::mac`] of `parts`, in constant time.
+    pub fn verify(&self, parts: &[&[u8]], tag: &[u8]) -> bool {
         self.hmac(parts).verify_slice(tag).is_ok()
+    }
+
+    /// A key derived from this secret and `parts` (their [`JobSecret::mac`]), for example a
+    /// session key from a handshake's nonces. Never the default secret.
+    pub fn derive(&self, parts: &[&[u8]]) -> JobSecret {
+        JobSecret(self.mac(parts).to_vec())
+    }
+
+    /// Refuses the built-in default secret for a process that listens on or connects to any of
+    /// `addrs` that is not a loopback address: that secret is public, so off loopback it would
+    /// let anyone who can reach the address in. Any other secret passes. Unspecified addresses
+    /// (`0.0.0.0`, `::`) count as off loopback, since they listen on every interface.
+    pub fn check_exposure(&self, addrs: &[IpAddr]) -> Result<()> {
+        if !self.is_default() {
+            return Ok(());
+        }
+        match addrs.iter().find(|a| !a.is_loopback()) {
+            Some(addr) => Err(Error::DefaultSecretOffLoopback {
+                addr: addr.to_string(),
+            }),
+            None => Ok(()),
+        }
     }
 
     fn hmac(&self, parts: &[&[u8]]) -> Hmac<Sha256> {
@@ -106,6 +136,16 @@ impl JobSecret {
         }
         m
     }
+}
+
+/// 16 fresh random bytes for a challenge (a handshake's nonce).
+pub fn nonce() -> Result<[u8; 16]> {
+    let mut n = [0u8; 16];
+    getrandom::getrandom(&mut n).map_err(|e| Error::Io {
+        context: "drawing a nonce".into(),
+        message: e.to_string(),
+    })?;
+    Ok(n)
 }
 
 #[cfg(test)]
@@ -140,5 +180,26 @@ mod tests {
         assert!(!b.verify(&[b"x", b"y"], &tag));
         assert!(!a.verify(&[b"xy"], &tag), "part boundaries are bound");
         assert_eq!(format!("{a:?}"), "JobSecret(1 bytes)");
+        let k = a.derive(&[b"n1", b"n2"]);
+        assert_ne!(k, a.derive(&[b"n1", b"n3"]));
+        assert_ne!(k, b.derive(&[b"n1", b"n2"]));
+        assert_ne!(nonce().unwrap(), nonce().unwrap());
+    }
+
+    #[test]
+    fn the_default_secret_stays_on_loopback() {
+        let lo: Vec<IpAddr> = vec!["127.0.0.1".parse().unwrap(), "::1".parse().unwrap()];
+        let d = JobSecret::default_single_host();
+        assert!(d.check_exposure(&lo).is_ok());
+        assert!(d.check_exposure(&[]).is_ok());
+        for off in ["10.0.0.2", "0.0.0.0", "::"] {
+            let mut addrs = lo.clone();
+            addrs.push(off.parse().unwrap());
+            let e = d.check_exposure(&addrs).unwrap_err();
+            let msg = e.to_string();
+            assert!(msg.contains(off) && msg.contains(SECRET_FILE_ENV), "{msg}");
+        }
+        let real = JobSecret::new("s").unwrap();
+        assert!(real.check_exposure(&["10.0.0.2".parse().unwrap()]).is_ok());
     }
 }

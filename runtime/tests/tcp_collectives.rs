@@ -151,6 +151,19 @@ fn every_op_dtype_and_size_world_1_to_5_tcp_only() {
     }
 }
 
+/// The same over TCP in the encrypted wire mode: every frame is sealed with AES-256-GCM.
+#[test]
+fn every_op_dtype_and_size_world_2_and_3_tcp_only_encrypted() {
+    for world in [2, 3] {
+        let opts = TcpOptions {
+            shared_memory: false,
+            wire: Some(rekindle_runtime::WireMode::Encrypt),
+            ..many_chunks()
+        };
+        run_ranks(&format!("tcp-enc-{world}"), world, opts, check_all);
+    }
+}
+
 /// Tiny rings: every lane wraps its ring many times and waits on doorbells.
 #[test]
 fn every_op_dtype_and_size_world_1_to_5_tiny_rings() {

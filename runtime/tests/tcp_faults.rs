@@ -222,3 +222,35 @@ fn a_hung_peer_is_caught_by_the_op_deadline() {
     let e = pg0.barrier().wait(WAIT).unwrap_err();
     assert!(matches!(e, Error::GroupBroken { .. }), "{e}");
 }
+
+#[test]
+fn a_group_idle_far_longer_than_its_socket_buffers_take_to_fill_still_works() {
+    // Heartbeats every millisecond into the smallest socket buffers the kernel allows, while
+    // neither rank reads its control connections (they are read only during operations): the
+    // buffers fill within tens of milliseconds, and senders must queue whole frames from then
+    // on. The idle spell is the point of the test, so it is a plain wait.
+    let opts = TcpOptions {
+        heartbeat_interval: Duration::from_millis(1),
+        socket_buffer_bytes: Some(1),
+        shared_memory: false,
+        ..TcpOptions::default()
+    };
+    let store: Arc<dyn Store> = Arc::new(InMemoryStore::new());
+    let (s1, o1) = (store.clone(), opts.clone());
+    let h = std::thread::spawn(move || ProcessGroup::tcp(config("idle", 0, 1, 2, s1), o1).unwrap());
+    let pg0 = ProcessGroup::tcp(config("idle", 0, 0, 2, store), opts).unwrap();
+    let pg1 = h.join().unwrap();
+    std::thread::sleep(Duration::from_secs(2));
+    // Small operations (direct, then ring): bulk data over such buffers crawls, which is not
+    // what this tests.
+    for len in [1000, 10_000] {
+        let w1 = pg1.all_reduce(Buffer::from(vec![2i64; len]), ReduceOp::Sum);
+        let got = pg0
+            .all_reduce(Buffer::from(vec![5i64; len]), ReduceOp::Sum)
+            .wait(WAIT)
+            .unwrap_or_else(|e| panic!("{len} elements: {e}"));
+        assert_eq!(got.into_vec::<i64>().unwrap(), vec![7; len]);
+        w1.wait(WAIT).unwrap();
+    }
+    assert!(pg0.error().is_none() && pg1.error().is_none());
+}

@@ -17,6 +17,7 @@ use rekindle_runtime::bulk_copy::{advise_huge_pages, copy_bytes};
 use crate::dir::CheckpointDir;
 use crate::error::{Result, StorageError};
 use crate::save::CommitInfo;
+use crate::shard::ShardCoordinator;
 use crate::snapshot::Snapshot;
 use crate::tensor::HostTensor;
 
@@ -182,12 +183,30 @@ impl AsyncCheckpointer {
         Ok(())
     }
 
+    /// Saves this rank's shard of a sharded checkpoint in the background (see
+    /// [`CheckpointDir::save_sharded`]): the snapshot is not copied, and rank 0 of `coord`
+    /// commits the manifest once every rank's shard is durable. A save still in flight is
+    /// waited for first, as in [`save`](Self::save).
+    pub fn save_sharded_owned(&self, snapshot: Snapshot, coord: ShardCoordinator) -> Result<()> {
+        let mut st = self.lock()?;
+        self.wait_in_flight(&mut st, self.timeout)?;
+        self.start_with(&mut st, snapshot, Some(coord));
+        Ok(())
+    }
+
     fn start(&self, st: &mut State, snapshot: Snapshot) {
+        self.start_with(st, snapshot, None)
+    }
+
+    fn start_with(&self, st: &mut State, snapshot: Snapshot, coord: Option<ShardCoordinator>) {
         let (tx, rx) = mpsc::channel();
         let dir = Arc::clone(&self.dir);
         let step = snapshot.state.step;
         std::thread::spawn(move || {
-            let result = dir.save(&snapshot);
+            let result = match &coord {
+                Some(c) => dir.save_sharded(&snapshot, c),
+                None => dir.save(&snapshot),
+            };
             let _ = tx.send((result, snapshot));
         });
         st.in_flight = Some(InFlight { step, rx });

@@ -14,6 +14,7 @@ pub mod nccl;
 pub mod reduce;
 pub mod tcp;
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -21,6 +22,19 @@ use crate::buffer::Buffer;
 use crate::error::{Error, Result};
 
 pub use reduce::ReduceOp;
+
+/// Bytes this process's TCP backends handed to their peers (sockets and shared-memory rings).
+static BYTES_SENT: AtomicU64 = AtomicU64::new(0);
+
+/// Bytes this process's TCP backends have sent to peers since it started, every group
+/// together (payload, sealing and framing excluded).
+pub fn bytes_sent() -> u64 {
+    BYTES_SENT.load(Ordering::Relaxed)
+}
+
+pub(crate) fn count_sent(n: usize) {
+    BYTES_SENT.fetch_add(n as u64, Ordering::Relaxed);
+}
 
 /// The element range `start..start + len` that rank `rank` of `world` owns out of `count`.
 pub fn segment(count: usize, world: usize, rank: usize) -> std::ops::Range<usize> {

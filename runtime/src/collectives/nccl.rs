@@ -2,7 +2,9 @@
 //!
 //! Without the feature the type still exists and [`NcclBackend::new`] returns
 //! [`Error::NotCompiledWithNccl`](crate::Error::NotCompiledWithNccl), so code that selects a
-//! backend at run time compiles everywhere.
+//! backend at run time compiles everywhere. With the `cuda` feature as well, the backend also
+//! runs collectives on candle CUDA tensors in place on the device
+//! (`NcclBackend::all_reduce_tensor` and its siblings).
 
 #[cfg(feature = "nccl")]
 mod imp;
@@ -27,6 +29,25 @@ mod disabled {
         /// Always [`Error::NotCompiledWithNccl`] in this build.
         pub fn new(_config: GroupConfig, _device: Device) -> Result<Self> {
             Err(Error::NotCompiledWithNccl)
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    impl NcclBackend {
+        /// Never called: this build has no NCCL support, so no backend exists.
+        pub fn all_reduce_tensor(&self, _: &candle_core::Tensor, _: crate::ReduceOp) -> Work {
+            match self.never {}
+        }
+        /// Never called: this build has no NCCL support, so no backend exists.
+        pub fn broadcast_tensor(&self, _: &candle_core::Tensor, _: usize) -> Work {
+            match self.never {}
+        }
+        /// Never called: this build has no NCCL support, so no backend exists.
+        pub fn all_gather_tensor(
+            &self,
+            _: &candle_core::Tensor,
+        ) -> Result<(candle_core::Tensor, Work)> {
+            match self.never {}
         }
     }
 

@@ -26,6 +26,7 @@ mod vars;
 
 pub use adamw::{AdamW, AdamWConfig};
 pub use sgd::{Sgd, SgdConfig};
+pub use tensor_io::{update_f32, with_f32};
 pub use vars::{specs_of, step_vars};
 
 use candle_core::Tensor;

@@ -6,7 +6,7 @@ use candle_core::{CpuStorage, DType, Layout, Storage, Tensor, Var};
 
 /// Calls `f` with the tensor's elements as a contiguous f32 slice: borrowed straight from the
 /// storage for a contiguous f32 CPU tensor, copied (converted, moved to the host) otherwise.
-pub(crate) fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> candle_core::Result<R> {
+pub fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> candle_core::Result<R> {
     if t.dtype() == DType::F32 {
         let (storage, layout) = t.storage_and_layout();
         if let (Storage::Cpu(CpuStorage::F32(data)), Some((start, end))) =
@@ -50,7 +50,7 @@ impl<F: FnOnce(&mut [f32]) -> candle_core::Result<()>> candle_core::InplaceOp1 f
 /// Calls `f` with the variable's elements as a mutable f32 slice and writes the result back:
 /// in place for a contiguous f32 CPU variable, through a host copy and [`Var::set`]
 /// otherwise (for example on CUDA).
-pub(crate) fn update_f32(
+pub fn update_f32(
     var: &Var,
     f: impl FnOnce(&mut [f32]) -> candle_core::Result<()>,
 ) -> candle_core::Result<()> {

@@ -6,39 +6,51 @@
 //!   copies need the context current on the calling thread, and `ncclCommAbort` is called
 //!   there too. The thread executes the op queue in issue order, one op at a time, like a NCCL
 //!   stream, and never blocks on a peer, so an abort reaches it within one poll.
-//! - **Host buffers are staged** through device memory on that stream: upload, the NCCL call(s),
-//!   poll until done, download. This is what a host-buffer API costs on GPUs; a device-tensor API
-//!   would skip both copies.
-//! - **Never blocking on peers**: the communicator is created non-blocking (`blocking = 0`) and
-//!   every wait polls `ncclCommGetAsyncError` and `cuStreamQuery` with short sleeps, bounded by
-//!   the op deadline ([`GroupConfig::op_timeout`]) and the abort flag. A dead or hung peer so
-//!   ends in an error and `ncclCommAbort`, never a hang.
+//! - **Host buffers are staged** through device memory on that stream, via pinned host memory:
+//!   upload, the NCCL call(s), download, each an asynchronous copy. With the `cuda` feature,
+//!   candle CUDA tensors skip the staging: `NcclBackend::all_reduce_tensor` and its siblings
+//!   hand NCCL the tensor's own device memory, ordered after candle's pending work by an event
+//!   recorded on candle's stream.
+//! - **Never blocking**: the communicator is created non-blocking (`blocking = 0`) and every
+//!   wait polls `ncclCommGetAsyncError` and `cuStreamQuery` with short sleeps, bounded by the op
+//!   deadline ([`GroupConfig::op_timeout`]) and the abort flag; scratch memory is allocated and
+//!   freed in stream order. A dead or hung peer so ends in an error and `ncclCommAbort`, never
+//!   a hang.
 //! - **Bootstrap**: rank 0 creates the NCCL unique id and sets it in the store under
 //!   `<group prefix>nccl/unique_id`; the others wait for it within
 //!   [`GroupConfig::bootstrap_timeout`], which also bounds the non-blocking
-//!   `ncclCommInitRankConfig`. A new round uses a new prefix, so a rebuilt group never reads a
-//!   stale id; build a new backend per round and abort or drop the old one.
+//!   `ncclCommInitRankConfig`. The prefix is unique per [`GroupConfig::round`] (the elastic
+//!   loop encodes round and generation in it), so a rebuilt group never reads a stale id: build
+//!   a new backend for each (round, generation) and [`Backend::abort`] or drop the old one. When
+//!   a round fails before every rank joined, rank 0 ends NCCL's bootstrap root thread and closes
+//!   its port, which NCCL would otherwise keep for the life of the process.
 //! - **Security**: NCCL's own bootstrap and transports are not authenticated; the job secret is
 //!   not used by this backend, so NCCL groups rely on the cluster network being private.
-//! - **Library**: NCCL is loaded at run time (see [`NCCL_LIBRARY_ENV`]); a missing driver,
-//!   device or library is an error from [`NcclBackend::new`], never a panic.
+//! - **Libraries**: NCCL and the CUDA driver are loaded at run time with `dlopen` (see
+//!   [`NCCL_LIBRARY_ENV`]) through this module's own declarations of their C API: nothing is
+//!   linked, so the backend builds without a toolkit, and shares a build and a process with
+//!   candle's CUDA backend. A missing driver, device or library is an error from
+//!   [`NcclBackend::new`], never a panic.
 //!
 //! Reductions are NCCL's: deterministic for a given world size and topology, but not
 //! bit-identical to the TCP backend (NCCL's `avg` of floats pre-scales each input by 1/n).
 
+mod bootstrap;
 mod comm;
 mod cuda;
+mod driver;
 mod library;
 mod ops;
 mod plan;
 mod queue;
+mod sys;
+#[cfg(feature = "cuda")]
+mod tensor;
 
 use std::sync::atomic::AtomicBool;
 use std::sync::{mpsc, Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-
-use cudarc::nccl::sys::ncclUniqueId;
 
 use crate::collectives::{Backend, Collective, Work};
 use crate::device::Device;
@@ -47,9 +59,9 @@ use crate::process_group::GroupConfig;
 
 use comm::{Comm, Stop};
 use cuda::Gpu;
-use library::{NcclLib, SUCCESS};
+use library::NcclLib;
 use ops::Exec;
-use queue::Queue;
+use queue::{Job, Queue};
 
 pub use library::NCCL_LIBRARY_ENV;
 
@@ -64,15 +76,14 @@ const INIT_SLACK: Duration = Duration::from_secs(5);
 /// How long to wait for the stream to drain after an abort before leaking its memory.
 const DRAIN_WAIT: Duration = Duration::from_millis(500);
 
-/// The store key, under the group prefix, of the NCCL unique id.
-const UNIQUE_ID_KEY: &str = "nccl/unique_id";
-
 /// The NCCL backend (behind the `nccl` feature): a [`Backend`] over one NCCL communicator on
 /// one CUDA device. See the module documentation for how it stages host buffers, bounds every
 /// wait and bootstraps through the store.
 pub struct NcclBackend {
     rank: usize,
     world: usize,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    ordinal: usize,
     queue: Arc<Queue>,
     worker: Mutex<Option<JoinHandle<()>>>,
 }
@@ -134,6 +145,7 @@ impl NcclBackend {
                 Ok(NcclBackend {
                     rank,
                     world,
+                    ordinal,
                     queue,
                     worker: Mutex::new(Some(worker)),
                 })
@@ -161,12 +173,74 @@ impl NcclBackend {
         }
     }
 
+    /// True when several ranks of one communicator may share a GPU here: the NCCL library
+    /// loads, is 2.30.3 or newer, and `NCCL_MULTI_RANK_GPU_ENABLE=1` is set (NCCL refuses
+    /// such communicators otherwise). Does not touch CUDA.
+    pub fn several_ranks_per_gpu() -> bool {
+        let enabled = std::env::var("NCCL_MULTI_RANK_GPU_ENABLE").is_ok_and(|v| v.trim() == "1");
+        enabled && library::nccl().is_ok_and(|lib| lib.version >= library::MULTI_RANK_GPU_VERSION)
+    }
+
     /// The version of the NCCL library this process loads (for example `2.21.5`) and where it
     /// was loaded from; an [`Error::Nccl`] when it cannot be loaded. Does not touch CUDA.
     pub fn library_version() -> Result<(String, String)> {
         library::nccl()
             .map(|lib| (lib.version_string(), lib.path.clone()))
             .map_err(|message| Error::Nccl { rank: 0, message })
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl NcclBackend {
+    /// Queues an in-place device op on `t`, or fails its `Work` at once for a bad tensor.
+    fn submit_in_place(
+        &self,
+        kind: tensor::Kind,
+        name: &'static str,
+        t: &candle_core::Tensor,
+    ) -> Work {
+        match tensor::prepare(kind, t, self.ordinal, self.world) {
+            Ok((op, _)) => self.queue.submit(Job::Device(op)),
+            Err(e) => Work::ready(name, self.rank, Err(e)),
+        }
+    }
+
+    /// All-reduces a candle CUDA tensor in place, on the device: every rank ends with the
+    /// reduction of all ranks' tensors (same shape and dtype everywhere). NCCL starts after the
+    /// work candle has queued on the tensor's stream (an event, no host wait) and reads and
+    /// writes the tensor's own memory. The tensor must be contiguous, on this group's device,
+    /// of a dtype NCCL has (u8, u32, i32, i64, f16, bf16, f32, f64), and must not be used until
+    /// the returned [`Work`] completed. Runs in issue order with the group's other ops, under
+    /// the same deadline, abort and failure rules; a bad tensor fails the `Work` with
+    /// [`Error::InvalidArgument`] and leaves the group usable.
+    pub fn all_reduce_tensor(&self, tensor: &candle_core::Tensor, op: crate::ReduceOp) -> Work {
+        self.submit_in_place(tensor::Kind::AllReduce(op), "all_reduce_tensor", tensor)
+    }
+
+    /// Broadcasts `root`'s CUDA tensor in place into every rank's tensor of the same shape and
+    /// dtype, on the device; see [`NcclBackend::all_reduce_tensor`] for the rules.
+    pub fn broadcast_tensor(&self, tensor: &candle_core::Tensor, root: usize) -> Work {
+        self.submit_in_place(tensor::Kind::Broadcast(root), "broadcast_tensor", tensor)
+    }
+
+    /// All-gathers CUDA tensors of equal length into a new one-dimensional tensor of
+    /// `world_size` times that length, in rank order, on the device. The output is returned at
+    /// once and holds the result once the [`Work`] completed; see
+    /// [`NcclBackend::all_reduce_tensor`] for the rules. Errors that are found before the op
+    /// is queued (a tensor not on this group's device, say) are returned here.
+    pub fn all_gather_tensor(
+        &self,
+        tensor: &candle_core::Tensor,
+    ) -> Result<(candle_core::Tensor, Work)> {
+        let (op, out) = tensor::prepare(tensor::Kind::AllGather, tensor, self.ordinal, self.world)?;
+        let work = self.queue.submit(Job::Device(op));
+        match out {
+            Some(out) => Ok((out, work)),
+            None => Err(Error::Nccl {
+                rank: self.rank,
+                message: "all_gather_tensor allocated no output".into(),
+            }),
+        }
     }
 }
 
@@ -185,11 +259,16 @@ impl Backend for NcclBackend {
 
     fn submit(&self, op: Collective) -> Work {
         match plan::validate(&op, self.rank, self.world) {
-            Ok(()) => self.queue.submit(op),
+            Ok(()) => self.queue.submit(Job::Host(op)),
             Err(e) => Work::ready(op.name(), self.rank, Err(e)),
         }
     }
 
+    /// Fails every queued op and the one in flight with [`Error::Aborted`] and has the worker
+    /// call `ncclCommAbort`, which stops the communicator's kernels and network proxies.
+    /// Returns once the worker has released the communicator or after 900 ms, whichever comes
+    /// first (`ncclCommAbort` itself may take longer on a broken network; the worker then
+    /// finishes on its own). Idempotent; later ops fail with [`Error::Aborted`].
     fn abort(&self) {
         if !self.queue.abort(ABORT_WAIT) {
             tracing::warn!(
@@ -269,7 +348,7 @@ fn run_worker(
             return;
         }
     };
-    let comm = unique_id(config, lib, deadline).and_then(|id| {
+    let comm = bootstrap::unique_id(config, lib, deadline).and_then(|id| {
         Comm::init(
             lib,
             id,
@@ -278,7 +357,13 @@ fn run_worker(
             deadline,
             queue.abort_flag(),
         )
-        .map_err(|stop| init_error(config, stop))
+        .map_err(|stop| {
+            if rank == 0 {
+                // The round failed: end the bootstrap root `ncclGetUniqueId` started.
+                bootstrap::release(&id, lib.version);
+            }
+            init_error(config, stop)
+        })
     });
     let comm = match comm {
         Ok(comm) => comm,
@@ -323,64 +408,6 @@ fn drained(gpu: &Gpu) -> bool {
     .is_ok()
 }
 
-/// Rank 0 creates the unique id and publishes it; the others wait for it until `deadline`.
-fn unique_id(config: &GroupConfig, lib: &NcclLib, deadline: Instant) -> Result<ncclUniqueId> {
-    let key = format!("{}{UNIQUE_ID_KEY}", config.prefix());
-    let bootstrap = |reason: String| Error::Bootstrap {
-        rank: config.rank,
-        prefix: config.prefix(),
-        reason,
-    };
-    if config.rank == 0 {
-        let mut id = ncclUniqueId { internal: [0; 128] };
-        // SAFETY: ncclGetUniqueId writes one ncclUniqueId.
-        let status = unsafe { (lib.get_unique_id)(&mut id) };
-        if status != SUCCESS {
-            return Err(Error::Nccl {
-                rank: config.rank,
-                message: format!("ncclGetUniqueId: {}", lib.status_name(status)),
-            });
-        }
-        config.store.set(&key, &unique_id_bytes(&id))?;
-        Ok(id)
-    } else {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let values = config
-            .store
-            .wait(&[key.as_str()], left)
-            .map_err(|e| match e {
-                crate::store::StoreError::Timeout { .. } => bootstrap(format!(
-                    "rank 0 did not publish the NCCL unique id ({key}) within {:?}: {e}",
-                    config.bootstrap_timeout
-                )),
-                other => Error::Store(other),
-            })?;
-        let bytes = values.into_iter().next().unwrap_or_default();
-        unique_id_from(&bytes).ok_or_else(|| {
-            bootstrap(format!(
-                "{key} holds {} bytes, not a {}-byte NCCL unique id",
-                bytes.len(),
-                std::mem::size_of::<ncclUniqueId>()
-            ))
-        })
-    }
-}
-
-fn unique_id_bytes(id: &ncclUniqueId) -> Vec<u8> {
-    id.internal.iter().map(|&c| c as u8).collect()
-}
-
-fn unique_id_from(bytes: &[u8]) -> Option<ncclUniqueId> {
-    let mut id = ncclUniqueId { internal: [0; 128] };
-    if bytes.len() != id.internal.len() {
-        return None;
-    }
-    for (dst, &src) in id.internal.iter_mut().zip(bytes) {
-        *dst = src as std::ffi::c_char;
-    }
-    Some(id)
-}
-
 fn init_error(config: &GroupConfig, stop: Stop) -> Error {
     match stop {
         Stop::Aborted => Error::Aborted { rank: config.rank },
@@ -420,7 +447,7 @@ mod tests {
     #[test]
     fn without_a_usable_gpu_new_is_a_typed_error() {
         if crate::cuda_device_count() > 0 {
-            eprintln!("skipped: this machine has a CUDA device");
+            eprintln!("not run: this machine has a CUDA device");
             return;
         }
         let started = Instant::now();
@@ -447,7 +474,7 @@ mod tests {
         let lib = match library::nccl() {
             Ok(lib) => lib,
             Err(e) => {
-                eprintln!("skipped: {e}");
+                eprintln!("not run: {e}");
                 return;
             }
         };
@@ -456,41 +483,30 @@ mod tests {
             "{}",
             lib.version_string()
         );
-        let name = lib.status_name(library::REMOTE_ERROR);
-        assert!(!name.starts_with("NCCL status"), "{name}");
+        let name = lib.status_name(sys::REMOTE_ERROR);
+        assert!(name.starts_with("ncclRemoteError (6)"), "{name}");
         let (version, path) = NcclBackend::library_version().unwrap();
         assert_eq!(version, lib.version_string());
         assert_eq!(path, lib.path);
         if crate::cuda_device_count() > 0 {
             return;
         }
-        // Without a GPU, unique id creation and communicator set-up fail with NCCL errors.
+        // Without a GPU, communicator set-up fails with an NCCL error, in bounded time.
         let cfg = config(0, 1);
         let abort = AtomicBool::new(false);
         let deadline = Instant::now() + Duration::from_secs(10);
         let started = Instant::now();
-        let outcome = unique_id(&cfg, lib, deadline)
+        let outcome = bootstrap::unique_id(&cfg, lib, deadline)
             .map_err(|e| e.to_string())
             .and_then(|id| {
-                Comm::init(lib, id, 1, 0, deadline, &abort)
+                let made = Comm::init(lib, id, 1, 0, deadline, &abort)
                     .map(|_| ())
-                    .map_err(|stop| format!("{stop:?}"))
+                    .map_err(|stop| format!("{stop:?}"));
+                bootstrap::release(&id, lib.version);
+                made
             });
         eprintln!("without a GPU: {outcome:?}");
         assert!(outcome.is_err());
         assert!(started.elapsed() < Duration::from_secs(10));
-    }
-
-    #[test]
-    fn unique_ids_round_trip_through_bytes() {
-        let mut id = ncclUniqueId { internal: [0; 128] };
-        for (i, c) in id.internal.iter_mut().enumerate() {
-            *c = (i as u8).wrapping_mul(37) as std::ffi::c_char;
-        }
-        let bytes = unique_id_bytes(&id);
-        assert_eq!(bytes.len(), 128);
-        let back = unique_id_from(&bytes).unwrap();
-        assert_eq!(back.internal, id.internal);
-        assert!(unique_id_from(&bytes[..127]).is_none());
     }
 }

@@ -14,54 +14,19 @@
 use std::ops::Range;
 use std::time::Instant;
 
-use super::engine::{Header, Mesh, Mode, Plan};
+use super::engine::Mesh;
+use super::plan::{Mode, Plan};
+use super::wire::algo::{CHAIN as ALGO_CHAIN, DIRECT as ALGO_DIRECT, RING as ALGO_RING};
+use super::wire::kind::{
+    ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BARRIER, BROADCAST, GATHER, P2P, REDUCE, REDUCE_SCATTER,
+    SCATTER,
+};
+use super::wire::{redop_code, Header};
 use super::TcpOptions;
 use crate::buffer::Buffer;
 use crate::collectives::reduce::{combine, finish_avg, ReduceOp};
 use crate::collectives::{output, segment, Collective};
 use crate::error::{Error, Result};
-
-const ALL_REDUCE: u8 = 1;
-const BROADCAST: u8 = 2;
-const REDUCE: u8 = 3;
-const ALL_GATHER: u8 = 4;
-const REDUCE_SCATTER: u8 = 5;
-const SCATTER: u8 = 6;
-const GATHER: u8 = 7;
-const ALL_TO_ALL: u8 = 8;
-const P2P: u8 = 9;
-const BARRIER: u8 = 10;
-
-const ALGO_DIRECT: u8 = 1;
-const ALGO_RING: u8 = 2;
-const ALGO_CHAIN: u8 = 3;
-
-/// The operation name of a header's kind code.
-pub(crate) fn kind_name(kind: u8) -> &'static str {
-    match kind {
-        ALL_REDUCE => "all_reduce",
-        BROADCAST => "broadcast",
-        REDUCE => "reduce",
-        ALL_GATHER => "all_gather",
-        REDUCE_SCATTER => "reduce_scatter",
-        SCATTER => "scatter",
-        GATHER => "gather",
-        ALL_TO_ALL => "all_to_all",
-        P2P => "send/recv",
-        BARRIER => "barrier",
-        _ => "unknown",
-    }
-}
-
-fn redop_code(op: ReduceOp) -> u8 {
-    match op {
-        ReduceOp::Sum => 1,
-        ReduceOp::Prod => 2,
-        ReduceOp::Min => 3,
-        ReduceOp::Max => 4,
-        ReduceOp::Avg => 5,
-    }
-}
 
 fn invalid(op: &'static str, reason: String) -> Error {
     Error::InvalidArgument { op, reason }
@@ -104,6 +69,12 @@ impl Ctx<'_> {
             seq: 0,
             nbytes: nbytes as u64,
             aux: aux as u64,
+            // Ring and chain items are cut at this size: peers must agree on it.
+            chunk: if algo == ALGO_DIRECT {
+                0
+            } else {
+                self.opts.max_segment_bytes as u64
+            },
         }
     }
 

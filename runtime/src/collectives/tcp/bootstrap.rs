@@ -6,8 +6,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::handshake::{self, Channel, Identity};
-use super::shm::{self, ShmPair};
-use super::TcpOptions;
+use super::seal::{Keys, WireMode};
+use super::shm::{self, Negotiated, ShmPair};
+use super::{PeerTransport, TcpOptions};
 use crate::error::{Error, Result};
 use crate::process_group::GroupConfig;
 use crate::store::{PrefixStore, Store};
@@ -20,47 +21,71 @@ pub(crate) struct PeerLinks {
     pub ctrl: TcpStream,
     /// Shared-memory rings, for a peer on this host.
     pub shm: Option<ShmPair>,
+    /// The data connection's frame keys.
+    pub data_keys: Keys,
+    /// The control connection's frame keys.
+    pub ctrl_keys: Keys,
+    /// What the pair moves bytes over, and why.
+    pub transport: PeerTransport,
 }
 
 /// The connected peers; `None` at this rank's own index.
 pub(crate) type Peers = Vec<Option<PeerLinks>>;
 
-type Slots = Vec<[Option<TcpStream>; 2]>;
-type Rings = Vec<Option<ShmPair>>;
+/// One authenticated connection and its frame keys.
+type Conn = (TcpStream, Keys);
+type Slots = Vec<[Option<Conn>; 2]>;
+type Rings = Vec<Option<(Option<ShmPair>, PeerTransport)>>;
 
-/// After the data connection's handshake, both sides negotiate shared-memory rings on it.
+/// After the data connection's handshake, both sides negotiate shared-memory rings on it
+/// (within a handshake timeout, which bounds how long a ring file exists before it is
+/// unlinked).
 fn negotiate(
-    s: &mut TcpStream,
+    (s, keys): &mut Conn,
+    me: usize,
+    peer: usize,
     opts: &TcpOptions,
     deadline: Instant,
-) -> std::result::Result<Option<ShmPair>, String> {
+) -> std::result::Result<(Option<ShmPair>, PeerTransport), String> {
     let left = deadline
+        .min(Instant::now() + HANDSHAKE_TIMEOUT)
         .saturating_duration_since(Instant::now())
         .max(Duration::from_millis(1));
     s.set_read_timeout(Some(left)).ok();
     s.set_write_timeout(Some(left)).ok();
-    let cap = if opts.shared_memory {
-        opts.shm_ring_bytes.div_ceil(8) * 8
-    } else {
-        0
-    };
-    let r = if cap == 0 {
-        shm::decline(s)
-    } else {
-        shm::negotiate(s, cap)
-    }
-    .map_err(|e| format!("negotiating shared memory: {e}"));
+    let dir = opts.shared_memory.then_some(opts.shm_dir.as_path());
+    let r = shm::negotiate(s, keys, dir, opts.shm_ring_bytes.div_ceil(8) * 8)
+        .map_err(|e| format!("negotiating shared memory: {e}"));
     s.set_read_timeout(None).ok();
     s.set_write_timeout(None).ok();
-    r
+    Ok(match r? {
+        Negotiated::Rings(pair) => (Some(pair), PeerTransport::SharedMemory),
+        Negotiated::Tcp { why, warn } => {
+            if warn {
+                tracing::warn!(
+                    rank = me,
+                    peer,
+                    "shared memory with rank {peer} is unavailable, using TCP: {why}"
+                );
+            } else {
+                tracing::debug!(rank = me, peer, "rank {peer} is reached over TCP: {why}");
+            }
+            (None, PeerTransport::Tcp { why })
+        }
+    })
 }
 
 /// How long one accepted connection may take to complete its handshake, so a silent stranger
 /// cannot hold up the group for the whole bootstrap deadline.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Forms the mesh; also returns how many connections were refused by the handshake.
-pub(crate) fn form_mesh(cfg: &GroupConfig, opts: &TcpOptions) -> Result<(Peers, usize)> {
+/// Forms the mesh, sealing frames as `wire` says; also returns how many connections were
+/// refused by the handshake.
+pub(crate) fn form_mesh(
+    cfg: &GroupConfig,
+    opts: &TcpOptions,
+    wire: WireMode,
+) -> Result<(Peers, usize)> {
     let deadline = Instant::now() + cfg.bootstrap_timeout;
     let (rank, world) = (cfg.rank, cfg.world_size);
     let fail = |reason: String| Error::Bootstrap {
@@ -71,6 +96,9 @@ pub(crate) fn form_mesh(cfg: &GroupConfig, opts: &TcpOptions) -> Result<(Peers, 
     let mut slots: Slots = (0..world).map(|_| [None, None]).collect();
     if world == 1 {
         return Ok(((0..world).map(|_| None).collect(), 0));
+    }
+    if opts.shared_memory {
+        shm::sweep(&opts.shm_dir);
     }
     let listener = TcpListener::bind((opts.bind_addr, 0))
         .map_err(|e| fail(format!("binding {}:0: {e}", opts.bind_addr)))?;
@@ -99,7 +127,7 @@ pub(crate) fn form_mesh(cfg: &GroupConfig, opts: &TcpOptions) -> Result<(Peers, 
         let accepted = accepted.clone();
         let rings = rings.clone();
         let opts = opts.clone();
-        let (job, secret, round) = (cfg.job.clone(), cfg.secret.clone(), cfg.round);
+        let (job, secret, round, wire) = (cfg.job.clone(), cfg.secret.clone(), cfg.round, wire);
         std::thread::Builder::new()
             .name(format!("rekindle-accept-{rank}"))
             .spawn(move || {
@@ -109,6 +137,7 @@ pub(crate) fn form_mesh(cfg: &GroupConfig, opts: &TcpOptions) -> Result<(Peers, 
                     rank,
                     world,
                     secret: &secret,
+                    wire,
                 };
                 accept_higher(listener, &me, &accepted, &rings, &opts, deadline)
             })
@@ -127,20 +156,21 @@ pub(crate) fn form_mesh(cfg: &GroupConfig, opts: &TcpOptions) -> Result<(Peers, 
                 rank,
                 world,
                 secret: &cfg.secret,
+                wire,
             };
             for (p, addr) in addrs.iter().enumerate() {
                 let addr = String::from_utf8_lossy(addr).to_string();
                 for channel in [Channel::Data, Channel::Control] {
-                    let mut stream =
+                    let mut conn =
                         connect_lower(&addr, &me, p, channel, deadline).map_err(|reason| {
                             fail(format!("connecting to rank {p} at {addr}: {reason}"))
                         })?;
                     if channel == Channel::Data {
-                        let ring = negotiate(&mut stream, opts, deadline)
+                        let ring = negotiate(&mut conn, rank, p, opts, deadline)
                             .map_err(|reason| fail(format!("rank {p}: {reason}")))?;
-                        rings.lock().unwrap_or_else(|x| x.into_inner())[p] = ring;
+                        rings.lock().unwrap_or_else(|x| x.into_inner())[p] = Some(ring);
                     }
-                    slots[p][channel as usize] = Some(stream);
+                    slots[p][channel as usize] = Some(conn);
                 }
             }
             Ok(())
@@ -154,26 +184,28 @@ pub(crate) fn form_mesh(cfg: &GroupConfig, opts: &TcpOptions) -> Result<(Peers, 
     let mut rings = rings.lock().unwrap_or_else(|p| p.into_inner());
     let mut peers: Peers = Vec::with_capacity(world);
     for (p, (mine, theirs)) in slots.iter_mut().zip(accepted.iter_mut()).enumerate() {
-        let take =
-            |i: usize, mine: &mut [Option<TcpStream>; 2], theirs: &mut [Option<TcpStream>; 2]| {
-                mine[i].take().or_else(|| theirs[i].take())
-            };
+        let take = |i: usize, mine: &mut [Option<Conn>; 2], theirs: &mut [Option<Conn>; 2]| {
+            mine[i].take().or_else(|| theirs[i].take())
+        };
         let data = take(0, mine, theirs);
         let ctrl = take(1, mine, theirs);
-        match (data, ctrl) {
-            (Some(data), Some(ctrl)) => {
+        match (data, ctrl, rings[p].take()) {
+            (Some((data, data_keys)), Some((ctrl, ctrl_keys)), Some((shm, transport))) => {
                 for s in [&data, &ctrl] {
                     s.set_nodelay(true)
                         .and_then(|_| s.set_nonblocking(true))
                         .map_err(|e| fail(format!("configuring the socket of rank {p}: {e}")))?;
-                }
-                if let Some(bytes) = opts.socket_buffer_bytes {
-                    super::link::set_buffer_sizes(&data, bytes);
+                    if let Some(bytes) = opts.socket_buffer_bytes {
+                        super::link::set_buffer_sizes(s, bytes);
+                    }
                 }
                 peers.push(Some(PeerLinks {
                     data,
                     ctrl,
-                    shm: rings[p].take(),
+                    shm,
+                    data_keys,
+                    ctrl_keys,
+                    transport,
                 }));
             }
             _ if p == rank => peers.push(None),
@@ -189,7 +221,7 @@ fn connect_lower(
     target: usize,
     channel: Channel,
     deadline: Instant,
-) -> std::result::Result<TcpStream, String> {
+) -> std::result::Result<Conn, String> {
     let sock: SocketAddr = addr
         .parse()
         .map_err(|e| format!("bad address {addr:?} in the store: {e}"))?;
@@ -201,8 +233,8 @@ fn connect_lower(
         }
         match TcpStream::connect_timeout(&sock, left) {
             Ok(mut s) => {
-                handshake::connect(&mut s, me, target, channel, deadline)?;
-                return Ok(s);
+                let keys = handshake::connect(&mut s, me, target, channel, deadline)?;
+                return Ok((s, keys));
             }
             // The listener is bound before the address is published, so a refusal means the
             // peer's process is gone or restarting; retry until the deadline.
@@ -260,10 +292,11 @@ fn accept_higher(
             accepted.lock().unwrap_or_else(|x| x.into_inner())[p][c as usize].is_some()
         };
         match handshake::accept(&mut s, me, taken, hs_deadline) {
-            Ok((p, c)) => {
+            Ok((p, c, keys)) => {
+                let mut conn = (s, keys);
                 if c == Channel::Data {
-                    match negotiate(&mut s, opts, hs_deadline) {
-                        Ok(ring) => rings.lock().unwrap_or_else(|x| x.into_inner())[p] = ring,
+                    match negotiate(&mut conn, me.rank, p, opts, hs_deadline) {
+                        Ok(ring) => rings.lock().unwrap_or_else(|x| x.into_inner())[p] = Some(ring),
                         Err(reason) => {
                             tracing::warn!(
                                 rank = me.rank,
@@ -274,7 +307,7 @@ fn accept_higher(
                         }
                     }
                 }
-                accepted.lock().unwrap_or_else(|x| x.into_inner())[p][c as usize] = Some(s);
+                accepted.lock().unwrap_or_else(|x| x.into_inner())[p][c as usize] = Some(conn);
                 have += 1;
             }
             Err(reason) => {

@@ -63,6 +63,79 @@ pub(crate) fn recv(fd: RawFd, buf: &mut [u8]) -> Io {
     }
 }
 
+/// Sends `a` then `b` in one call (without raising SIGPIPE); the count covers both in order.
+pub(crate) fn send2(fd: RawFd, a: &[u8], b: &[u8]) -> Io {
+    let mut iov = [
+        libc::iovec {
+            iov_base: a.as_ptr() as *mut libc::c_void,
+            iov_len: a.len(),
+        },
+        libc::iovec {
+            iov_base: b.as_ptr() as *mut libc::c_void,
+            iov_len: b.len(),
+        },
+    ];
+    loop {
+        // SAFETY: a zeroed msghdr whose iovecs point at the two readable slices for their
+        // lengths; the kernel only reads them.
+        let n = unsafe {
+            let mut msg: libc::msghdr = std::mem::zeroed();
+            msg.msg_iov = iov.as_mut_ptr();
+            msg.msg_iovlen = iov.len() as _;
+            libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT)
+        };
+        if n > 0 {
+            return Io::Done(n as usize);
+        }
+        if n == 0 {
+            return Io::Blocked;
+        }
+        let e = std::io::Error::last_os_error();
+        match e.kind() {
+            std::io::ErrorKind::Interrupted => continue,
+            std::io::ErrorKind::WouldBlock => return Io::Blocked,
+            _ => return Io::Failed(e),
+        }
+    }
+}
+
+/// Receives into `a`, then `b`, in one call (`a` must be non-empty); the count covers both
+/// in order.
+pub(crate) fn recv2(fd: RawFd, a: &mut [u8], b: &mut [u8]) -> Io {
+    let mut iov = [
+        libc::iovec {
+            iov_base: a.as_mut_ptr().cast(),
+            iov_len: a.len(),
+        },
+        libc::iovec {
+            iov_base: b.as_mut_ptr().cast(),
+            iov_len: b.len(),
+        },
+    ];
+    loop {
+        // SAFETY: a zeroed msghdr whose iovecs point at the two writable, exclusively borrowed
+        // slices for their lengths.
+        let n = unsafe {
+            let mut msg: libc::msghdr = std::mem::zeroed();
+            msg.msg_iov = iov.as_mut_ptr();
+            msg.msg_iovlen = iov.len() as _;
+            libc::recvmsg(fd, &mut msg, libc::MSG_DONTWAIT)
+        };
+        if n > 0 {
+            return Io::Done(n as usize);
+        }
+        if n == 0 {
+            return Io::Closed;
+        }
+        let e = std::io::Error::last_os_error();
+        match e.kind() {
+            std::io::ErrorKind::Interrupted => continue,
+            std::io::ErrorKind::WouldBlock => return Io::Blocked,
+            _ => return Io::Failed(e),
+        }
+    }
+}
+
 /// `poll(2)` over `fds` for at most `timeout`; fills `revents`. Returns false on a poll error.
 pub(crate) fn poll(fds: &mut [libc::pollfd], timeout: Duration) -> bool {
     let ms = timeout.as_millis().clamp(0, i32::MAX as u128) as libc::c_int;

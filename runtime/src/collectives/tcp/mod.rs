@@ -1,10 +1,13 @@
 //! The TCP backend: rekindle's CPU collectives, the role Gloo plays for PyTorch.
 //!
 //! Forming a group ([`TcpBackend::new`]): each rank listens on an ephemeral port, publishes its
-//! address in the store under the group's (job, round) prefix, and connects to every other rank;
-//! every connection is authenticated with the job secret (see `handshake`). Operations are then
-//! queued to one worker thread per group, which runs them in issue order with the algorithms of
-//! `algorithms` on the non-blocking progress engine of `engine`.
+//! address in the store under the group's (job, round) prefix, and connects to every other rank
+//! (`bootstrap`); every connection is authenticated with the job secret (`handshake`), and
+//! every frame after that is sealed with keys from the handshake (`seal`, `wire`). Pairs on one
+//! host move bytes through shared-memory rings (`shm`). Operations are then queued to one
+//! worker thread per group, which runs them in issue order: `algorithms` turns each into a
+//! `plan` of lanes, which the `engine` runs, moving bytes with the `pump`s over each peer's
+//! `transport`; liveness travels on separate control connections (`control`).
 //!
 //! Failure semantics: a peer whose process dies closes its sockets, which every rank's engine
 //! watches (even sockets the current operation does not use), so in-flight and queued
@@ -14,16 +17,26 @@
 
 mod algorithms;
 mod bootstrap;
+mod control;
 mod engine;
 mod handshake;
 mod link;
+mod plan;
+mod pump;
+mod seal;
 mod shm;
+mod sigbus;
+mod transport;
+mod wire;
 mod write_mode;
 
 use std::net::{IpAddr, Ipv4Addr, TcpStream};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
+
+pub use seal::{WireMode, WIRE_ENV};
 
 use crate::collectives::{Backend, Collective, Work, WorkSender};
 use crate::error::{Error, Result};
@@ -44,7 +57,8 @@ pub struct TcpOptions {
     /// All-reduces up to this many bytes use the latency-optimised direct algorithm.
     /// Default 32 KiB.
     pub small_message_bytes: usize,
-    /// Socket send/receive buffer size to ask the kernel for (`None`: the kernel's default).
+    /// Socket send/receive buffer size to ask the kernel for, for the data and control
+    /// connections (`None`: the kernel's default).
     pub socket_buffer_bytes: Option<usize>,
     /// Every rank sends a heartbeat on its control connections this often, from its own
     /// thread, so that when an operation times out the rank that went silent (a stopped or
@@ -54,8 +68,16 @@ pub struct TcpOptions {
     /// connections then carry only doorbells and liveness). Pairs on different hosts always
     /// use TCP. Default true.
     pub shared_memory: bool,
-    /// Bytes of each shared-memory ring (one per direction of a pair). Default 4 MiB.
+    /// Bytes of each shared-memory ring (one per direction of a pair). Default 4 MiB; a
+    /// group of n local ranks needs `2 n (n - 1)` rings in `shm_dir` while it forms.
     pub shm_ring_bytes: usize,
+    /// The directory the ring files are created in (a tmpfs). Every rank of a host must use
+    /// the same one. Default `/dev/shm`.
+    pub shm_dir: PathBuf,
+    /// How frames after the handshake are protected; every rank must use the same mode.
+    /// `None` (the default): the mode named by `REKINDLE_WIRE` (`mac` or `encrypt`) if set,
+    /// else [`WireMode::Mac`].
+    pub wire: Option<WireMode>,
 }
 
 impl Default for TcpOptions {
@@ -69,8 +91,23 @@ impl Default for TcpOptions {
             heartbeat_interval: Duration::from_millis(100),
             shared_memory: true,
             shm_ring_bytes: 4 << 20,
+            shm_dir: PathBuf::from("/dev/shm"),
+            wire: None,
         }
     }
+}
+
+/// What a pair of ranks moves its bytes over.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PeerTransport {
+    /// Shared-memory rings (same host).
+    SharedMemory,
+    /// The TCP data connection, and why not shared memory (another host, shared memory off,
+    /// or a problem this rank also logged as a warning, such as a full ring directory).
+    Tcp {
+        /// Why the pair does not use shared memory.
+        why: String,
+    },
 }
 
 struct Job {
@@ -84,9 +121,8 @@ struct Shared {
     error: Mutex<Option<Error>>,
     /// Second handles on every socket, so `abort` can shut them down under the worker.
     sockets: Vec<TcpStream>,
-    /// Handles on the control connections, for heartbeats and notices; the lock serialises
-    /// whole messages.
-    control: Mutex<Vec<TcpStream>>,
+    /// The sending halves of the control connections, for heartbeats and notices.
+    control: control::ControlLinks,
 }
 
 impl Shared {
@@ -99,11 +135,6 @@ impl Shared {
         if slot.is_none() {
             *slot = Some(e.clone());
         }
-    }
-
-    fn send_control(&self, msg: &[u8; 6]) {
-        let ctrl = self.control.lock().unwrap_or_else(|p| p.into_inner());
-        engine::broadcast_control(&ctrl, msg);
     }
 
     fn shutdown(&self) {
@@ -123,6 +154,7 @@ pub struct TcpBackend {
     exited: Mutex<mpsc::Receiver<()>>,
     shared: Arc<Shared>,
     refused: usize,
+    transports: Vec<(usize, PeerTransport)>,
 }
 
 impl std::fmt::Debug for TcpBackend {
@@ -139,46 +171,56 @@ impl TcpBackend {
     /// [`Error::Bootstrap`] at the config's bootstrap deadline.
     pub fn new(config: GroupConfig, options: TcpOptions) -> Result<Self> {
         config.validate()?;
+        let invalid = |reason: String| Error::InvalidArgument {
+            op: "tcp backend",
+            reason,
+        };
         if options.max_segment_bytes == 0 {
-            return Err(Error::InvalidArgument {
-                op: "tcp backend",
-                reason: "max_segment_bytes must be positive".into(),
-            });
+            return Err(invalid("max_segment_bytes must be positive".into()));
         }
+        if options.shared_memory && !(64..=1 << 30).contains(&options.shm_ring_bytes) {
+            return Err(invalid(format!(
+                "shm_ring_bytes must be between 64 bytes and 1 GiB, not {}",
+                options.shm_ring_bytes
+            )));
+        }
+        let wire = match options.wire {
+            Some(w) => w,
+            None => WireMode::from_env()?.unwrap_or_default(),
+        };
         let (rank, world) = (config.rank, config.world_size);
-        let (links, refused) = bootstrap::form_mesh(&config, &options)?;
+        let (links, refused) = bootstrap::form_mesh(&config, &options, wire)?;
+        let transports = links
+            .iter()
+            .enumerate()
+            .filter_map(|(p, l)| Some((p, l.as_ref()?.transport.clone())))
+            .collect();
         let sockets = links
             .iter()
             .flatten()
             .flat_map(|l| [l.data.try_clone(), l.ctrl.try_clone()])
             .collect::<std::io::Result<Vec<_>>>()
             .map_err(|e| Error::io("cloning socket handles", &e))?;
-        let control = links
-            .iter()
-            .flatten()
-            .map(|l| l.ctrl.try_clone())
-            .collect::<std::io::Result<Vec<_>>>()
-            .map_err(|e| Error::io("cloning socket handles", &e))?;
         let aborted = Arc::new(AtomicBool::new(false));
-        let shared = Arc::new(Shared {
-            rank,
-            aborted: aborted.clone(),
-            error: Mutex::new(None),
-            sockets,
-            control: Mutex::new(control),
-        });
-        let (queue, jobs) = mpsc::channel::<Job>();
-        let (exited_tx, exited) = mpsc::sync_channel::<()>(1);
-        let sender = shared.clone();
+        let control: control::ControlLinks = Arc::new(Mutex::new(Vec::new()));
         let silence = options.heartbeat_interval * 5;
         let mesh = engine::Mesh::new(
             rank,
             world,
             links,
-            aborted,
-            Arc::new(move |msg: &[u8; 6]| sender.send_control(msg)),
+            aborted.clone(),
+            control.clone(),
             silence,
-        );
+        )?;
+        let shared = Arc::new(Shared {
+            rank,
+            aborted,
+            error: Mutex::new(None),
+            sockets,
+            control,
+        });
+        let (queue, jobs) = mpsc::channel::<Job>();
+        let (exited_tx, exited) = mpsc::sync_channel::<()>(1);
         let (stop_heartbeat, heartbeat_stopped) = mpsc::channel::<()>();
         let hb_shared = shared.clone();
         let interval = options.heartbeat_interval;
@@ -203,6 +245,7 @@ impl TcpBackend {
             exited: Mutex::new(exited),
             shared,
             refused,
+            transports,
         })
     }
 
@@ -210,6 +253,11 @@ impl TcpBackend {
     /// secret, job, round or rank).
     pub fn refused_connections(&self) -> usize {
         self.refused
+    }
+
+    /// What this rank moves bytes to each peer over, in rank order (this rank left out).
+    pub fn peer_transports(&self) -> &[(usize, PeerTransport)] {
+        &self.transports
     }
 }
 
@@ -220,7 +268,7 @@ fn heartbeat(shared: Arc<Shared>, stop: mpsc::Receiver<()>, interval: Duration) 
         if shared.aborted.load(Ordering::Acquire) {
             return;
         }
-        shared.send_control(&engine::HEARTBEAT);
+        control::broadcast(&shared.control, wire::Control::Heartbeat);
     }
 }
 
@@ -268,12 +316,12 @@ fn worker(
                 tracing::warn!(rank, "collective failed: {e}");
                 shared.set_error(e);
                 let (lost, cause) = match e {
-                    Error::PeerLost { peer, .. } => (Some(*peer), engine::Cause::Lost),
+                    Error::PeerLost { peer, .. } => (Some(*peer), wire::Cause::Lost),
                     Error::Timeout { waiting_on, .. } => {
-                        (waiting_on.first().copied(), engine::Cause::Timeout)
+                        (waiting_on.first().copied(), wire::Cause::Timeout)
                     }
-                    Error::Mismatch { peer, .. } => (Some(*peer), engine::Cause::Mismatch),
-                    _ => (None, engine::Cause::Other),
+                    Error::Mismatch { peer, .. } => (Some(*peer), wire::Cause::Mismatch),
+                    _ => (None, wire::Cause::Other),
                 };
                 mesh.notify_failure(lost, cause);
             }

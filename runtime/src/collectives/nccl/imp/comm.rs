@@ -11,9 +11,8 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use cudarc::nccl::sys::{ncclComm_t, ncclUniqueId};
-
-use super::library::{nonblocking_config, NcclLib, Status, IN_PROGRESS, SUCCESS};
+use super::library::NcclLib;
+use super::sys::{CommHandle, Config, Status, UniqueId, IN_PROGRESS, SUCCESS};
 
 /// Why a wait ended without its condition becoming true.
 #[derive(Debug, Clone, PartialEq)]
@@ -32,6 +31,7 @@ pub(crate) enum Stop {
 }
 
 impl Stop {
+    /// A CUDA failure (no NCCL status).
     pub fn cuda(message: String) -> Stop {
         Stop::Failed {
             status: None,
@@ -73,7 +73,7 @@ pub(crate) fn poll_until(
 /// A live NCCL communicator.
 pub(crate) struct Comm {
     lib: &'static NcclLib,
-    raw: ncclComm_t,
+    raw: CommHandle,
 }
 
 impl Comm {
@@ -82,14 +82,14 @@ impl Comm {
     /// aborted. The CUDA device must be current on this thread.
     pub fn init(
         lib: &'static NcclLib,
-        id: ncclUniqueId,
+        id: UniqueId,
         world: usize,
         rank: usize,
         deadline: Instant,
         abort: &AtomicBool,
     ) -> Result<Comm, Stop> {
-        let mut config = nonblocking_config();
-        let mut raw: ncclComm_t = std::ptr::null_mut();
+        let mut config = Config::nonblocking();
+        let mut raw: CommHandle = std::ptr::null_mut();
         let started = Instant::now();
         // SAFETY: `raw` and `config` outlive the call; NCCL copies the config; world and rank
         // were validated (rank < world, both fit an int since they index real processes).
@@ -124,7 +124,7 @@ impl Comm {
     }
 
     /// The raw handle, for enqueuing operations.
-    pub fn raw(&self) -> ncclComm_t {
+    pub fn raw(&self) -> CommHandle {
         self.raw
     }
 

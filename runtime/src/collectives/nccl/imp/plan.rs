@@ -1,33 +1,37 @@
-//! Pure decisions of the NCCL backend: type and op mapping, argument checks, and the device
-//! layouts of the ops NCCL has no direct equivalent for (uneven reduce-scatter).
+//! Pure decisions of the NCCL backend: type and op mapping, argument checks, the device
+//! layouts of the ops NCCL has no direct equivalent for (uneven reduce-scatter), and what a
+//! failed op means for the caller (which peers a timeout waited on, which failures are a lost
+//! peer).
 
-use cudarc::nccl::sys::{ncclDataType_t, ncclRedOp_t};
+use std::time::Duration;
 
+use super::comm::Stop;
+use super::sys::{self, DataType, RedOp, Status};
 use crate::collectives::{segment, Collective, ReduceOp};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
 /// NCCL's element type for a dtype.
-pub(crate) fn nccl_dtype(d: DType) -> ncclDataType_t {
+pub(crate) fn nccl_dtype(d: DType) -> DataType {
     match d {
-        DType::F32 => ncclDataType_t::ncclFloat32,
-        DType::F64 => ncclDataType_t::ncclFloat64,
-        DType::F16 => ncclDataType_t::ncclFloat16,
-        DType::BF16 => ncclDataType_t::ncclBfloat16,
-        DType::I32 => ncclDataType_t::ncclInt32,
-        DType::I64 => ncclDataType_t::ncclInt64,
-        DType::U8 => ncclDataType_t::ncclUint8,
+        DType::F32 => sys::FLOAT32,
+        DType::F64 => sys::FLOAT64,
+        DType::F16 => sys::FLOAT16,
+        DType::BF16 => sys::BFLOAT16,
+        DType::I32 => sys::INT32,
+        DType::I64 => sys::INT64,
+        DType::U8 => sys::UINT8,
     }
 }
 
 /// NCCL's reduction for an op (`ncclAvg` since NCCL 2.10).
-pub(crate) fn nccl_op(op: ReduceOp) -> ncclRedOp_t {
+pub(crate) fn nccl_op(op: ReduceOp) -> RedOp {
     match op {
-        ReduceOp::Sum => ncclRedOp_t::ncclSum,
-        ReduceOp::Prod => ncclRedOp_t::ncclProd,
-        ReduceOp::Min => ncclRedOp_t::ncclMin,
-        ReduceOp::Max => ncclRedOp_t::ncclMax,
-        ReduceOp::Avg => ncclRedOp_t::ncclAvg,
+        ReduceOp::Sum => sys::SUM,
+        ReduceOp::Prod => sys::PROD,
+        ReduceOp::Min => sys::MIN,
+        ReduceOp::Max => sys::MAX,
+        ReduceOp::Avg => sys::AVG,
     }
 }
 
@@ -74,24 +78,83 @@ pub(crate) fn validate(op: &Collective, rank: usize, world: usize) -> Result<()>
     }
 }
 
-/// The ranks an op waits on, for timeout errors: the one peer of point-to-point and rooted
-/// ops on non-root ranks, otherwise every other rank.
-pub(crate) fn waiting_on(op: &Collective, rank: usize, world: usize) -> Vec<usize> {
-    match single_peer(op, rank) {
-        Some(p) => vec![p],
-        None => (0..world).filter(|&r| r != rank).collect(),
-    }
-}
-
-/// The only peer an op exchanges data with from this rank, if there is exactly one.
+/// The only peer an op exchanges data with from this rank, if there is exactly one: the peer
+/// of point-to-point ops and the root of rooted ops on other ranks. Timeouts name it as the
+/// rank waited on; for other ops they name nobody, since NCCL does not say which peer a
+/// collective is stuck on, and naming every other rank would have healthy peers replaced.
 pub(crate) fn single_peer(op: &Collective, rank: usize) -> Option<usize> {
     match op {
         Collective::Send { peer, .. } | Collective::Recv { peer, .. } => Some(*peer),
-        Collective::Scatter { root, .. } | Collective::Gather { root, .. } if *root != rank => {
+        Collective::Scatter { root, .. }
+        | Collective::Gather { root, .. }
+        | Collective::Broadcast { root, .. }
+        | Collective::Reduce { root, .. }
+            if *root != rank =>
+        {
             Some(*root)
         }
         _ => None,
     }
+}
+
+/// What the caller of a failed op is told, from why its wait stopped:
+/// - an abort is [`Error::Aborted`];
+/// - the op deadline, or NCCL's own `ncclTimeout`, is [`Error::Timeout`] naming `peer` when
+///   the op has a single one, nobody otherwise;
+/// - `ncclRemoteError` and `ncclSystemError` (a peer died, a connection broke) are
+///   [`Error::PeerLost`] naming `peer`, or [`Error::PeerLostUnidentified`] when NCCL cannot say
+///   which peer;
+/// - any other failure is [`Error::Nccl`].
+pub(crate) fn op_error(
+    rank: usize,
+    op: &'static str,
+    peer: Option<usize>,
+    elapsed: Duration,
+    stop: Stop,
+) -> Error {
+    match stop {
+        Stop::Aborted => Error::Aborted { rank },
+        Stop::TimedOut(elapsed) => Error::Timeout {
+            rank,
+            op,
+            elapsed,
+            waiting_on: peer.into_iter().collect(),
+        },
+        Stop::Failed {
+            status: Some(sys::TIMEOUT),
+            ..
+        } => Error::Timeout {
+            rank,
+            op,
+            elapsed,
+            waiting_on: peer.into_iter().collect(),
+        },
+        Stop::Failed {
+            status: Some(status),
+            message,
+        } if peer_failure(status) => match peer {
+            Some(peer) => Error::PeerLost {
+                rank,
+                peer,
+                op,
+                reason: message,
+            },
+            None => Error::PeerLostUnidentified {
+                rank,
+                op,
+                reason: message,
+            },
+        },
+        Stop::Failed { message, .. } => Error::Nccl {
+            rank,
+            message: format!("{op}: {message}"),
+        },
+    }
+}
+
+/// True for the NCCL statuses that mean a peer or the connection to it failed.
+pub(crate) fn peer_failure(status: Status) -> bool {
+    matches!(status, sys::REMOTE_ERROR | sys::SYSTEM_ERROR)
 }
 
 /// Reduce-scatter layout: NCCL's reduce-scatter needs equal pieces, so each rank's
@@ -116,14 +179,18 @@ mod tests {
 
     #[test]
     fn every_dtype_and_op_maps_to_a_distinct_nccl_value() {
-        let types: std::collections::HashSet<u32> =
-            DType::ALL.iter().map(|&d| nccl_dtype(d) as u32).collect();
+        let types: std::collections::HashSet<DataType> =
+            DType::ALL.iter().map(|&d| nccl_dtype(d)).collect();
         assert_eq!(types.len(), DType::ALL.len());
-        let ops: std::collections::HashSet<u32> =
-            ReduceOp::ALL.iter().map(|&o| nccl_op(o) as u32).collect();
+        let ops: std::collections::HashSet<RedOp> =
+            ReduceOp::ALL.iter().map(|&o| nccl_op(o)).collect();
         assert_eq!(ops.len(), ReduceOp::ALL.len());
-        assert_eq!(nccl_dtype(DType::BF16), ncclDataType_t::ncclBfloat16);
-        assert_eq!(nccl_op(ReduceOp::Avg), ncclRedOp_t::ncclAvg);
+        // The values of nccl.h.
+        assert_eq!(nccl_dtype(DType::U8), 1);
+        assert_eq!(nccl_dtype(DType::F16), 6);
+        assert_eq!(nccl_dtype(DType::BF16), 9);
+        assert_eq!(nccl_op(ReduceOp::Min), 3);
+        assert_eq!(nccl_op(ReduceOp::Avg), 4);
     }
 
     #[test]
@@ -165,37 +232,112 @@ mod tests {
     }
 
     #[test]
-    fn peers_named_in_timeouts() {
+    fn only_a_single_peer_is_named_as_waited_on() {
         let b = || Buffer::zeros(DType::U8, 1);
-        assert_eq!(
-            waiting_on(&Collective::Send { buf: b(), peer: 2 }, 0, 4),
-            vec![2]
-        );
-        assert_eq!(
-            waiting_on(
-                &Collective::Gather {
+        let gather = |root| Collective::Gather {
+            buf: b(),
+            root,
+            out: None,
+        };
+        let table: Vec<(Collective, usize, Vec<usize>)> = vec![
+            (Collective::Send { buf: b(), peer: 2 }, 0, vec![2]),
+            (Collective::Recv { buf: b(), peer: 0 }, 3, vec![0]),
+            (gather(3), 1, vec![3]),
+            (gather(1), 1, vec![]),
+            (Collective::Broadcast { buf: b(), root: 2 }, 0, vec![2]),
+            (Collective::Broadcast { buf: b(), root: 0 }, 0, vec![]),
+            (
+                Collective::AllReduce {
                     buf: b(),
-                    root: 3,
-                    out: None
+                    op: ReduceOp::Sum,
                 },
-                1,
-                4
+                2,
+                vec![],
             ),
-            vec![3]
-        );
-        assert_eq!(
-            waiting_on(
-                &Collective::Gather {
+            (
+                Collective::AllToAll {
                     buf: b(),
-                    root: 1,
-                    out: None
+                    out: None,
                 },
-                1,
-                4
+                0,
+                vec![],
             ),
-            vec![0, 2, 3]
+            (Collective::Barrier, 2, vec![]),
+        ];
+        for (op, rank, want) in table {
+            assert_eq!(
+                single_peer(&op, rank).into_iter().collect::<Vec<_>>(),
+                want,
+                "{} on rank {rank}",
+                op.name()
+            );
+        }
+    }
+
+    #[test]
+    fn failures_map_to_the_errors_the_loop_acts_on() {
+        let t = Duration::from_secs(3);
+        let failed = |status: Option<Status>| Stop::Failed {
+            status,
+            message: "boom".into(),
+        };
+        let e = op_error(1, "all_reduce", None, t, Stop::TimedOut(t));
+        assert!(
+            matches!(&e, Error::Timeout { waiting_on, rank: 1, .. } if waiting_on.is_empty()),
+            "{e}"
         );
-        assert_eq!(waiting_on(&Collective::Barrier, 2, 4), vec![0, 1, 3]);
+        let e = op_error(1, "recv", Some(0), t, Stop::TimedOut(t));
+        assert!(
+            matches!(&e, Error::Timeout { waiting_on, .. } if waiting_on == &[0]),
+            "{e}"
+        );
+        let e = op_error(1, "all_reduce", None, t, failed(Some(sys::TIMEOUT)));
+        assert!(
+            matches!(&e, Error::Timeout { waiting_on, elapsed, .. } if waiting_on.is_empty() && *elapsed == t),
+            "{e}"
+        );
+        for status in [sys::REMOTE_ERROR, sys::SYSTEM_ERROR] {
+            let e = op_error(1, "send", Some(2), t, failed(Some(status)));
+            assert!(
+                matches!(
+                    &e,
+                    Error::PeerLost {
+                        peer: 2,
+                        rank: 1,
+                        op: "send",
+                        ..
+                    }
+                ),
+                "{e}"
+            );
+            let e = op_error(1, "all_gather", None, t, failed(Some(status)));
+            assert!(
+                matches!(
+                    &e,
+                    Error::PeerLostUnidentified {
+                        rank: 1,
+                        op: "all_gather",
+                        ..
+                    }
+                ),
+                "{e}"
+            );
+        }
+        for status in [
+            Some(sys::INTERNAL_ERROR),
+            Some(sys::UNHANDLED_CUDA_ERROR),
+            Some(sys::INVALID_USAGE),
+            Some(42),
+            None,
+        ] {
+            let e = op_error(1, "send", Some(2), t, failed(status));
+            assert!(matches!(&e, Error::Nccl { rank: 1, .. }), "{e}");
+            assert!(e.to_string().contains("send: boom"), "{e}");
+        }
+        assert!(matches!(
+            op_error(4, "barrier", None, t, Stop::Aborted),
+            Error::Aborted { rank: 4 }
+        ));
     }
 
     #[test]

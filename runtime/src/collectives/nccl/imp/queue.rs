@@ -14,10 +14,31 @@ use crate::buffer::Buffer;
 use crate::collectives::{Collective, Work, WorkSender};
 use crate::error::{Error, Result};
 
+/// One queued operation: a collective on host buffers (staged through the device), or, with
+/// the `cuda` feature, one on candle CUDA tensors.
+pub(crate) enum Job {
+    /// A [`Collective`] on host [`Buffer`]s.
+    Host(Collective),
+    /// A collective on device memory.
+    #[cfg(feature = "cuda")]
+    Device(super::tensor::DeviceOp),
+}
+
+impl Job {
+    /// The op's name and, when it exchanges data with exactly one peer from `rank`, that peer.
+    pub fn describe(&self, rank: usize) -> (&'static str, Option<usize>) {
+        match self {
+            Job::Host(op) => (op.name(), super::plan::single_peer(op, rank)),
+            #[cfg(feature = "cuda")]
+            Job::Device(op) => (op.name(), op.single_peer(rank)),
+        }
+    }
+}
+
 /// Runs one op to completion, failure, deadline or abort.
 pub(crate) trait Execute {
-    /// Runs `op`; must return soon after `abort` is raised.
-    fn execute(&mut self, op: Collective, abort: &AtomicBool) -> Result<Buffer>;
+    /// Runs `job`; must return soon after `abort` is raised.
+    fn execute(&mut self, job: Job, abort: &AtomicBool) -> Result<Buffer>;
 }
 
 /// The queue and the group's failure state.
@@ -31,7 +52,7 @@ pub(crate) struct Queue {
 }
 
 struct State {
-    ops: VecDeque<(Collective, WorkSender)>,
+    ops: VecDeque<(Job, WorkSender)>,
     /// The first failure (or `Aborted`); set once, never cleared.
     error: Option<Error>,
     /// No more ops are accepted; the worker drains the queue and shuts down.
@@ -93,8 +114,8 @@ impl Queue {
     }
 
     /// Queues `op` (already validated), or fails it at once if the group is broken.
-    pub fn submit(&self, op: Collective) -> Work {
-        let (work, tx) = Work::pending(op.name(), self.rank);
+    pub fn submit(&self, op: Job) -> Work {
+        let (work, tx) = Work::pending(op.describe(self.rank).0, self.rank);
         let mut st = self.lock();
         if let Some(first) = &st.error {
             let err = self.broken(first);
@@ -183,7 +204,7 @@ impl Queue {
                 self.fail(Error::Aborted { rank: self.rank });
                 return false;
             };
-            let name = op.name();
+            let name = op.describe(self.rank).0;
             match exec.execute(op, &self.abort) {
                 Ok(buf) => tx.complete(Ok(buf)),
                 Err(e) => {
@@ -215,8 +236,8 @@ mod tests {
     }
 
     impl Execute for Scripted {
-        fn execute(&mut self, op: Collective, abort: &AtomicBool) -> Result<Buffer> {
-            let Collective::AllReduce { buf, .. } = op else {
+        fn execute(&mut self, op: Job, abort: &AtomicBool) -> Result<Buffer> {
+            let Job::Host(Collective::AllReduce { buf, .. }) = op else {
                 return Ok(Buffer::U8(Vec::new()));
             };
             let first = buf.get_f64(0).unwrap_or(0.0);
@@ -242,11 +263,11 @@ mod tests {
         }
     }
 
-    fn op(x: f64) -> Collective {
-        Collective::AllReduce {
+    fn op(x: f64) -> Job {
+        Job::Host(Collective::AllReduce {
             buf: Buffer::from(vec![x; 3]),
             op: ReduceOp::Sum,
-        }
+        })
     }
 
     /// Starts a worker thread running the queue; it marks itself finished when `run` returns.
