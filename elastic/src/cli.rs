@@ -138,6 +138,15 @@ pub struct RunArgs {
         env = "REKINDLE_LOCAL_ADDR"
     )]
     pub local_addr: Option<String>,
+    /// Serve liveness (`/healthz`), readiness (`/readyz`), a JSON status (`/status`) and
+    /// Prometheus metrics (`/metrics`) over HTTP on this port (0: a free port, printed at
+    /// start). Listens on loopback unless this node's address is off loopback.
+    #[arg(
+        long = "health-port",
+        visible_alias = "health_port",
+        env = "REKINDLE_HEALTH_PORT"
+    )]
+    pub health_port: Option<u16>,
     /// The program to run and its arguments.
     #[arg(
         required = true,
@@ -221,6 +230,8 @@ pub struct RdzvConf {
     pub read_timeout: Duration,
     /// Credentials.
     pub user: Option<(String, String)>,
+    /// The file the password was read from (`password_file`), so workers can read it too.
+    pub password_file: Option<PathBuf>,
     /// TLS files.
     pub tls: Option<EtcdTls>,
 }
@@ -249,6 +260,7 @@ pub fn parse_rdzv_conf(s: &str) -> Result<RdzvConf, String> {
         finished_retention: Duration::from_secs(600),
         read_timeout: Duration::from_secs(5),
         user: None,
+        password_file: None,
         tls: None,
     };
     let (mut user, mut password) = (None::<String>, None::<String>);
@@ -274,11 +286,15 @@ pub fn parse_rdzv_conf(s: &str) -> Result<RdzvConf, String> {
             "finished_retention" => c.finished_retention = secs(v)?,
             "read_timeout" => c.read_timeout = secs(v)?,
             "user" => user = Some(v.to_string()),
-            "password" => password = Some(v.to_string()),
+            "password" => {
+                password = Some(v.to_string());
+                c.password_file = None;
+            }
             "password_file" => {
                 let p = std::fs::read_to_string(v)
                     .map_err(|e| format!("--rdzv-conf password_file {v:?}: {e}"))?;
                 password = Some(p.trim_end_matches(['\n', '\r']).to_string());
+                c.password_file = Some(v.into());
             }
             "cacert" => tls.ca = Some(v.into()),
             "cert" => tls.cert = Some(v.into()),
@@ -381,6 +397,7 @@ impl RunArgs {
                 etcd.request_timeout = conf.read_timeout;
                 RdzvConfig::Etcd(Box::new(EtcdRdzv {
                     etcd,
+                    password_file: conf.password_file.clone(),
                     job,
                     min_nodes: min,
                     max_nodes: max,
@@ -406,6 +423,7 @@ impl RunArgs {
             grace_period: self.grace_period,
             local_addr: self.local_addr.clone(),
             handle_signals: true,
+            health_port: self.health_port,
         })
     }
 }

@@ -9,7 +9,8 @@
 //!   and for workers;
 //! - [`train`]: the elastic training loop ([`train::init`], [`train::Trainer`]): re-forms
 //!   the group on failure, keeps survivors' state, resumes from checkpoints;
-//! - [`agent`] and [`cli`]: `rekindle run`; [`errorfile`]: how workers report failures.
+//! - [`agent`] and [`cli`]: `rekindle run`; [`errorfile`]: how workers report failures;
+//! - [`torch_store`]: PyTorch's TCPStore protocol, so PyTorch programs run under the agent.
 //!
 //! A two-node round on the embedded store, as two agents on one host would form it:
 //!
@@ -19,10 +20,11 @@
 //! use rekindle_elastic::rendezvous::*;
 //! use rekindle_elastic::store::{TcpStoreClient, TcpStoreServer};
 //!
-//! let server = TcpStoreServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+//! let secret = rekindle_elastic::runtime::secret::JobSecret::new("demo secret").unwrap();
+//! let server = TcpStoreServer::bind("127.0.0.1:0".parse().unwrap(), &secret).unwrap();
 //! let addr = server.local_addr().to_string();
 //! let node = |id: &str| {
-//!     let client = Arc::new(TcpStoreClient::connect(&addr).unwrap());
+//!     let client = Arc::new(TcpStoreClient::connect(&addr, &secret).unwrap());
 //!     let backend = Arc::new(StoreBackend::new(client, &addr, "demo", Duration::from_secs(5)));
 //!     let info = NodeInfo { id: id.into(), host: "127.0.0.1".into(), nproc: 1, store_addr: None };
 //!     DynamicRendezvousHandler::new(backend, info, HandlerOptions::new(2, 2).unwrap())
@@ -53,4 +55,5 @@ pub mod rendezvous;
 pub mod store;
 #[cfg(feature = "test-etcd")]
 pub mod testing;
+pub mod torch_store;
 pub mod train;

@@ -23,7 +23,6 @@ use serde::{Deserialize, Serialize};
 
 use crate::rendezvous::state::{observe, Observation};
 use crate::rendezvous::{RendezvousBackend, RendezvousState, Settings};
-use crate::store::TcpStoreClient;
 
 /// A change in the job's membership, seen by a member of `round`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -308,8 +307,9 @@ impl std::fmt::Debug for WorkerMembership {
 }
 
 impl WorkerMembership {
-    /// Connects to the agent named by `REKINDLE_AGENT_STORE` and `REKINDLE_MEMBERSHIP_PREFIX`.
-    /// `Ok(None)` if the process was not launched by `rekindle run`.
+    /// Connects to the agent named by `REKINDLE_AGENT_STORE` and `REKINDLE_MEMBERSHIP_PREFIX`,
+    /// with the job secret from the environment. `Ok(None)` if the process was not launched by
+    /// `rekindle run`.
     pub fn from_env() -> StoreResult<Option<Self>> {
         let (Ok(addr), Ok(prefix)) = (
             std::env::var(AGENT_STORE_ENV),
@@ -317,7 +317,7 @@ impl WorkerMembership {
         ) else {
             return Ok(None);
         };
-        let store = Arc::new(TcpStoreClient::connect(&addr)?);
+        let store = crate::store::connect(&addr)?;
         Ok(Some(Self::new(store, &prefix)))
     }
 

@@ -5,7 +5,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{field, pid_alive, AgentProc, WORKER};
+use common::{field, pid_alive, rekindle, wait_pid_gone, WORKER};
 
 const T: Duration = Duration::from_secs(60);
 
@@ -22,7 +22,7 @@ echo "env RANK=$RANK LOCAL_RANK=$LOCAL_RANK WORLD_SIZE=$WORLD_SIZE LOCAL_WORLD_S
         std::os::unix::fs::PermissionsExt::from_mode(0o755),
     )
     .unwrap();
-    let mut a = AgentProc::spawn(
+    let mut a = rekindle(
         &[
             "run",
             "--standalone",
@@ -38,7 +38,7 @@ echo "env RANK=$RANK LOCAL_RANK=$LOCAL_RANK WORLD_SIZE=$WORLD_SIZE LOCAL_WORLD_S
         ],
         &[],
     );
-    assert_eq!(a.wait_code(T), 0, "{}", a.output());
+    assert_eq!(a.wait_exit(T).unwrap(), 0, "{}", a.output());
     let out = a.output();
     for r in 0..3 {
         let line = out
@@ -69,7 +69,7 @@ echo "env RANK=$RANK LOCAL_RANK=$LOCAL_RANK WORLD_SIZE=$WORLD_SIZE LOCAL_WORLD_S
 #[test]
 fn workers_meet_in_the_embedded_store() {
     let logs = tempfile::tempdir().unwrap();
-    let mut a = AgentProc::spawn(
+    let mut a = rekindle(
         &[
             "run",
             "--standalone",
@@ -82,7 +82,7 @@ fn workers_meet_in_the_embedded_store() {
         ],
         &[],
     );
-    assert_eq!(a.wait_code(T), 0, "{}", a.output());
+    assert_eq!(a.wait_exit(T).unwrap(), 0, "{}", a.output());
     let ok = a
         .output()
         .lines()
@@ -94,7 +94,7 @@ fn workers_meet_in_the_embedded_store() {
 #[test]
 fn failure_restarts_count_and_the_root_cause_is_reported() {
     let logs = tempfile::tempdir().unwrap();
-    let mut a = AgentProc::spawn(
+    let mut a = rekindle(
         &[
             "run",
             "--standalone",
@@ -110,7 +110,7 @@ fn failure_restarts_count_and_the_root_cause_is_reported() {
         ],
         &[],
     );
-    assert_eq!(a.wait_code(T), 1, "{}", a.output());
+    assert_eq!(a.wait_exit(T).unwrap(), 1, "{}", a.output());
     let out = a.output();
     assert_eq!(out.matches("restarting workers").count(), 2, "{out}");
     let last = out.lines().last().unwrap();
@@ -123,7 +123,7 @@ fn failure_restarts_count_and_the_root_cause_is_reported() {
 #[test]
 fn a_failure_then_success_exits_zero() {
     let logs = tempfile::tempdir().unwrap();
-    let mut a = AgentProc::spawn(
+    let mut a = rekindle(
         &[
             "run",
             "--standalone",
@@ -138,7 +138,7 @@ fn a_failure_then_success_exits_zero() {
         ],
         &[],
     );
-    assert_eq!(a.wait_code(T), 0, "{}", a.output());
+    assert_eq!(a.wait_exit(T).unwrap(), 0, "{}", a.output());
     let out = a.output();
     assert!(out.contains("root cause: rank 1"), "{out}");
     assert_eq!(out.matches("barrier ok").count(), 2, "{out}");
@@ -151,7 +151,7 @@ fn a_failure_then_success_exits_zero() {
 #[test]
 fn sigterm_is_forwarded_with_the_grace_period() {
     let logs = tempfile::tempdir().unwrap();
-    let mut a = AgentProc::spawn(
+    let mut a = rekindle(
         &[
             "run",
             "--standalone",
@@ -166,10 +166,10 @@ fn sigterm_is_forwarded_with_the_grace_period() {
         ],
         &[],
     );
-    a.wait_line("[rank 0] ready", T);
-    a.wait_line("[rank 1] ready", T);
+    a.wait_for("[rank 0] ready", T).unwrap();
+    a.wait_for("[rank 1] ready", T).unwrap();
     a.signal(libc::SIGTERM);
-    assert_eq!(a.wait_code(T), 143, "{}", a.output());
+    assert_eq!(a.wait_exit(T).unwrap(), 143, "{}", a.output());
     let out = a.output();
     assert!(out.contains("[rank 0] got SIGTERM"), "{out}");
     assert!(out.contains("[rank 1] got SIGTERM"), "{out}");
@@ -178,7 +178,7 @@ fn sigterm_is_forwarded_with_the_grace_period() {
 #[test]
 fn workers_ignoring_sigterm_are_killed_after_the_grace_period() {
     let logs = tempfile::tempdir().unwrap();
-    let mut a = AgentProc::spawn(
+    let mut a = rekindle(
         &[
             "run",
             "--standalone",
@@ -191,17 +191,17 @@ fn workers_ignoring_sigterm_are_killed_after_the_grace_period() {
         ],
         &[],
     );
-    let line = a.wait_line("[rank 0] ready", T);
+    let line = a.wait_for("[rank 0] ready", T).unwrap();
     let pid: i32 = field(&line, "pid").unwrap().parse().unwrap();
     a.signal(libc::SIGINT);
-    assert_eq!(a.wait_code(T), 130, "{}", a.output());
+    assert_eq!(a.wait_exit(T).unwrap(), 130, "{}", a.output());
     assert!(!pid_alive(pid), "the stubborn worker {pid} survived");
 }
 
 #[test]
 fn sigkilled_agent_takes_its_workers_along() {
     let logs = tempfile::tempdir().unwrap();
-    let mut a = AgentProc::spawn(
+    let mut a = rekindle(
         &[
             "run",
             "--standalone",
@@ -212,19 +212,15 @@ fn sigkilled_agent_takes_its_workers_along() {
         ],
         &[],
     );
-    let line = a.wait_line("[rank 0] ready", T);
+    let line = a.wait_for("[rank 0] ready", T).unwrap();
     let pid: i32 = field(&line, "pid").unwrap().parse().unwrap();
     a.signal(libc::SIGKILL);
-    assert_eq!(a.wait_code(T), 137);
+    assert_eq!(a.wait_exit(T).unwrap(), 137);
     // The kernel delivers the parent-death signal; wait for the worker to be gone.
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while pid_alive(pid) {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "worker {pid} outlived its agent"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    assert!(
+        wait_pid_gone(pid, Duration::from_secs(10)),
+        "worker {pid} outlived its agent"
+    );
 }
 
 #[test]
@@ -235,7 +231,7 @@ fn static_two_nodes_on_one_host() {
         l.local_addr().unwrap().port().to_string()
     };
     let node = |rank: &str| {
-        AgentProc::spawn(
+        rekindle(
             &[
                 "run",
                 "--nnodes",
@@ -259,10 +255,10 @@ fn static_two_nodes_on_one_host() {
     let mut n0 = node("0");
     // Node 0 binds the master port first (node 1's own local store takes a port-0 port, which
     // must not be the one just freed for node 0).
-    n0.wait_line("agent started", T);
+    n0.wait_for("agent started", T).unwrap();
     let mut n1 = node("1");
-    assert_eq!(n0.wait_code(T), 0, "{}", n0.output());
-    assert_eq!(n1.wait_code(T), 0, "{}", n1.output());
+    assert_eq!(n0.wait_exit(T).unwrap(), 0, "{}", n0.output());
+    assert_eq!(n1.wait_exit(T).unwrap(), 0, "{}", n1.output());
     let all = format!("{}\n{}", n0.output(), n1.output());
     for r in 0..4 {
         assert!(
@@ -275,25 +271,25 @@ fn static_two_nodes_on_one_host() {
 
 #[test]
 fn bad_flags_exit_2_with_a_message() {
-    let mut a = AgentProc::spawn(&["run", "--nnodes", "3:1", "true"], &[]);
-    assert_eq!(a.wait_code(T), 2);
+    let mut a = rekindle(&["run", "--nnodes", "3:1", "true"], &[]);
+    assert_eq!(a.wait_exit(T).unwrap(), 2);
     assert!(
         a.output().contains("need 1 <= MIN <= MAX"),
         "{}",
         a.output()
     );
-    let mut a = AgentProc::spawn(&["run", "--rdzv-backend", "etcd", "true"], &[]);
-    assert_eq!(a.wait_code(T), 2);
+    let mut a = rekindle(&["run", "--rdzv-backend", "etcd", "true"], &[]);
+    assert_eq!(a.wait_exit(T).unwrap(), 2);
     assert!(a.output().contains("--rdzv-id"), "{}", a.output());
-    let mut a = AgentProc::spawn(&["run", "true"], &[("REKINDLE_NPROC_PER_NODE", "zero")]);
-    assert_eq!(a.wait_code(T), 2);
+    let mut a = rekindle(&["run", "true"], &[("REKINDLE_NPROC_PER_NODE", "zero")]);
+    assert_eq!(a.wait_exit(T).unwrap(), 2);
     assert!(a.output().contains("--nproc-per-node"), "{}", a.output());
 }
 
 #[test]
 fn missing_program_is_an_agent_error() {
     let logs = tempfile::tempdir().unwrap();
-    let mut a = AgentProc::spawn(
+    let mut a = rekindle(
         &[
             "run",
             "--standalone",
@@ -303,7 +299,7 @@ fn missing_program_is_an_agent_error() {
         ],
         &[],
     );
-    assert_eq!(a.wait_code(T), 4, "{}", a.output());
+    assert_eq!(a.wait_exit(T).unwrap(), 4, "{}", a.output());
     assert!(
         a.output().contains("cannot start worker 0"),
         "{}",
@@ -314,10 +310,10 @@ fn missing_program_is_an_agent_error() {
 #[test]
 fn ckpt_subcommand_is_mounted() {
     let dir = tempfile::tempdir().unwrap();
-    let mut a = AgentProc::spawn(&["ckpt", "ls", dir.path().to_str().unwrap()], &[]);
-    assert_eq!(a.wait_code(T), 0, "{}", a.output());
+    let mut a = rekindle(&["ckpt", "ls", dir.path().to_str().unwrap()], &[]);
+    assert_eq!(a.wait_exit(T).unwrap(), 0, "{}", a.output());
     let missing = dir.path().join("missing");
-    let mut a = AgentProc::spawn(&["ckpt", "verify", missing.to_str().unwrap()], &[]);
-    assert_eq!(a.wait_code(T), 2, "{}", a.output());
+    let mut a = rekindle(&["ckpt", "verify", missing.to_str().unwrap()], &[]);
+    assert_eq!(a.wait_exit(T).unwrap(), 2, "{}", a.output());
     assert!(a.output().contains("rekindle ckpt:"), "{}", a.output());
 }

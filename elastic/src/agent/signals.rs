@@ -4,7 +4,7 @@
 
 use std::sync::mpsc::Sender;
 
-use super::worker::Event;
+use super::events::Event;
 
 /// Starts a thread that turns the signals into [`Event::Signal`]s on `events`. Installing
 /// the handlers is process-wide and lasts for the life of the process.

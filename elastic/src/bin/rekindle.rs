@@ -1,6 +1,7 @@
 //! The `rekindle` command (see `rekindle_elastic::cli`).
 
 use clap::Parser;
+use rekindle_elastic::agent::exit_code;
 use rekindle_elastic::cli::{self, Cli, Command};
 
 fn main() {
@@ -13,9 +14,17 @@ fn main() {
         )
         .init();
     let cli = Cli::parse();
-    let code = match &cli.command {
+    // A panic is a bug in rekindle, never the user's doing: it gets its own exit code rather
+    // than Rust's 101.
+    let code = std::panic::catch_unwind(|| match &cli.command {
         Command::Run(args) => cli::run(args),
         Command::Ckpt(args) => cli::ckpt(args),
-    };
+    })
+    .unwrap_or_else(|_| {
+        eprintln!(
+            "rekindle: internal error (a bug in rekindle; please report it): see the panic above"
+        );
+        exit_code::INTERNAL
+    });
     std::process::exit(code);
 }

@@ -119,9 +119,32 @@ impl EtcdConfig {
     }
 }
 
+/// Opens a new connection to the cluster, with the options of the first.
+///
+/// A connection whose peer became unreachable stays open while TCP retransmits with growing
+/// back-off, so requests on it can stall for seconds after the network has healed; a task that
+/// must get through soon after a heal (a lease's keep-alive) dials again instead.
+#[derive(Clone)]
+pub(crate) struct Redial {
+    urls: Vec<String>,
+    opts: ConnectOptions,
+}
+
+impl Redial {
+    /// A new client, or `None` if it cannot connect (and authenticate) within `timeout`.
+    pub(crate) async fn connect(&self, timeout: Duration) -> Option<Client> {
+        let opts = self.opts.clone().with_connect_timeout(timeout);
+        match tokio::time::timeout(timeout, Client::connect(self.urls.clone(), Some(opts))).await {
+            Ok(Ok(c)) => Some(c),
+            _ => None,
+        }
+    }
+}
+
 /// A connected etcd client on its own runtime.
 pub(crate) struct EtcdConn {
     client: Client,
+    redial: Redial,
     endpoint: String,
     pub(crate) timeout: Duration,
     rt: IoRuntime,
@@ -153,6 +176,10 @@ impl EtcdConn {
         })?;
         let opts = cfg.options()?;
         let urls = cfg.urls();
+        let redial = Redial {
+            urls: urls.clone(),
+            opts: opts.clone(),
+        };
         let client = rt
             .call(
                 async move { Client::connect(urls, Some(opts)).await },
@@ -162,6 +189,7 @@ impl EtcdConn {
             .map_err(|e| map_error(&endpoint, "connect", &e))?;
         Ok(EtcdConn {
             client,
+            redial,
             endpoint,
             timeout: cfg.request_timeout,
             rt,
@@ -174,6 +202,11 @@ impl EtcdConn {
 
     pub(crate) fn client(&self) -> Client {
         self.client.clone()
+    }
+
+    /// What opens a connection of its own to the same cluster (see [`Redial`]).
+    pub(crate) fn redial(&self) -> Redial {
+        self.redial.clone()
     }
 
     pub(crate) fn handle(&self) -> Option<&tokio::runtime::Handle> {

@@ -80,9 +80,9 @@ pub trait RendezvousBackend: Send + Sync {
     fn job_store(&self, prefix: &str) -> StoreResult<Arc<dyn Store>>;
 
     /// The address (for [`crate::store::connect`]) of a store the job's workers can open
-    /// themselves and that outlives any single node, if the backend has one: on etcd without
-    /// authentication or TLS, the cluster with the job's lease. `None`: workers use node 0's
-    /// embedded store.
+    /// themselves and that outlives any single node, if the backend has one: on etcd, the
+    /// cluster with the job's lease and the agent's credentials (the password as a file path,
+    /// TLS as file paths). `None`: workers use node 0's embedded store.
     fn worker_store_addr(&self) -> Option<String> {
         None
     }

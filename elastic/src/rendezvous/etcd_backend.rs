@@ -27,7 +27,7 @@ use etcd_client::{
 use rekindle_runtime::store::{Store, StoreError, StoreResult};
 
 use super::backend::{RendezvousBackend, Snapshot, Token, TokenKind};
-use crate::etcd::{EtcdConfig, EtcdConn};
+use crate::etcd::{EtcdConfig, EtcdConn, Redial};
 use crate::store::{get_prefix_opts, EtcdStore};
 
 /// The smallest lease TTL etcd grants reliably.
@@ -66,9 +66,12 @@ pub struct EtcdBackend {
     opts: EtcdBackendOptions,
     leases: Mutex<Leases>,
     lost: Arc<AtomicBool>,
-    /// Endpoints for workers' own connections (only without authentication and TLS).
+    /// Endpoints, user and TLS files for the workers' own connections.
     endpoints: Vec<String>,
-    worker_store: bool,
+    user: Option<String>,
+    tls: Option<crate::etcd::EtcdTls>,
+    /// The file the workers read the user's password from.
+    password_file: Option<std::path::PathBuf>,
 }
 
 impl std::fmt::Debug for EtcdBackend {
@@ -107,18 +110,32 @@ fn ttl_secs(d: Duration) -> i64 {
     (d.as_secs_f64().ceil() as i64).max(MIN_LEASE_TTL.as_secs() as i64)
 }
 
-async fn keep_alive(mut client: Client, id: i64, ttl: Duration, lost: Arc<AtomicBool>) {
+/// Keeps lease `id` alive, every third of its TTL, until the task is aborted; sets `lost` when
+/// etcd says the lease is gone. After a failed round trip it retries within a quarter of a
+/// second on a new connection (see [`Redial`]): after a network partition heals, the renewal
+/// must reach etcd before the TTL runs out, not when the old connection's TCP back-off ends.
+async fn keep_alive(
+    mut client: Client,
+    redial: Redial,
+    id: i64,
+    ttl: Duration,
+    lost: Arc<AtomicBool>,
+) {
     let interval = ttl / 3;
+    let retry_cap = interval.min(Duration::from_millis(250));
     let mut backoff = Duration::from_millis(50);
+    // Short at first, so a dial lost in a partition is soon replaced by one after the heal;
+    // doubled after each failure, so a slow but working network still gets through.
+    let first_dial = interval.min(Duration::from_millis(500));
+    let mut dial_timeout = first_dial;
     loop {
         if let Ok((mut keeper, mut stream)) = client.lease_keep_alive(id).await {
-            backoff = Duration::from_millis(50);
             loop {
                 if keeper.keep_alive().await.is_err() {
                     break;
                 }
                 match tokio::time::timeout(interval, stream.message()).await {
-                    Ok(Ok(Some(r))) if r.ttl() > 0 => {}
+                    Ok(Ok(Some(r))) if r.ttl() > 0 => backoff = Duration::from_millis(50),
                     Ok(Ok(Some(_))) => {
                         // TTL 0: the lease is gone (expired while etcd was unreachable).
                         lost.store(true, Ordering::Release);
@@ -130,7 +147,14 @@ async fn keep_alive(mut client: Client, id: i64, ttl: Duration, lost: Arc<Atomic
             }
         }
         tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(interval.max(Duration::from_millis(100)));
+        backoff = (backoff * 2).min(retry_cap);
+        match redial.connect(dial_timeout).await {
+            Some(fresh) => {
+                client = fresh;
+                dial_timeout = first_dial;
+            }
+            None => dial_timeout = (dial_timeout * 2).min(interval),
+        }
     }
 }
 
@@ -149,8 +173,18 @@ impl EtcdBackend {
             leases: Mutex::default(),
             lost: Arc::new(AtomicBool::new(false)),
             endpoints: cfg.endpoints.clone(),
-            worker_store: cfg.user.is_none() && cfg.tls.is_none(),
+            user: cfg.user.as_ref().map(|(u, _)| u.clone()),
+            tls: cfg.tls.clone(),
+            password_file: None,
         })
+    }
+
+    /// Names the file that holds the etcd user's password, so that the workers can open the
+    /// cluster with the same credentials ([`RendezvousBackend::worker_store_addr`]). Without
+    /// it, a backend with a user gives the workers no etcd address.
+    pub fn with_password_file(mut self, path: std::path::PathBuf) -> Self {
+        self.password_file = Some(path);
+        self
     }
 
     fn key(&self, k: &str) -> String {
@@ -243,6 +277,7 @@ impl RendezvousBackend for EtcdBackend {
         for lease in [node_lease, job_lease] {
             l.tasks.push(handle.spawn(keep_alive(
                 self.conn.client(),
+                self.conn.redial(),
                 lease,
                 self.opts.lease_ttl.max(MIN_LEASE_TTL),
                 self.lost.clone(),
@@ -411,15 +446,20 @@ impl RendezvousBackend for EtcdBackend {
     }
 
     fn worker_store_addr(&self) -> Option<String> {
-        if !self.worker_store {
+        if self.user.is_some() && self.password_file.is_none() {
             return None;
         }
         let lease = self.job_lease().ok()?;
-        Some(format!(
-            "{}{}?lease={lease}",
-            crate::store::ETCD_SCHEME,
-            self.endpoints.join(",")
-        ))
+        Some(
+            crate::store::EtcdAddress {
+                endpoints: self.endpoints.clone(),
+                lease: Some(lease),
+                user: self.user.clone(),
+                password_file: self.password_file.clone(),
+                tls: self.tls.clone(),
+            }
+            .format(),
+        )
     }
 
     fn job_store(&self, prefix: &str) -> StoreResult<Arc<dyn Store>> {

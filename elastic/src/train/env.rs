@@ -7,7 +7,6 @@ use rekindle_runtime::store::{InMemoryStore, PrefixStore, Store};
 
 use super::TrainError;
 use crate::membership::{WorkerMembership, AGENT_STORE_ENV, MEMBERSHIP_PREFIX_ENV};
-use crate::store::TcpStoreClient;
 
 /// Env var: the key a worker using the elastic loop sets in its agent's store, so that the
 /// agent restarts only this worker when it fails and keeps it running when the round
@@ -36,7 +35,9 @@ pub struct Assignment {
 }
 
 impl Assignment {
-    /// Connects to the round's store, under the round's prefix.
+    /// Connects to the round's store, under the round's prefix: node 0's embedded store with
+    /// the job secret from the environment, or etcd with the credentials the address names
+    /// (see [`crate::store::connect`]).
     pub fn connect(&self) -> Result<Arc<dyn Store>, TrainError> {
         let inner: Arc<dyn Store> = match &self.store_addr {
             Some(addr) => crate::store::connect(addr).map_err(|source| TrainError::Store {
@@ -163,13 +164,11 @@ impl WorkerEnv {
         let membership = match (var(AGENT_STORE_ENV), var(MEMBERSHIP_PREFIX_ENV)) {
             (Some(addr), Some(prefix)) => {
                 let store: Arc<dyn Store> =
-                    Arc::new(TcpStoreClient::connect(&addr).map_err(|source| {
-                        TrainError::Store {
-                            rank,
-                            during: "connecting to the agent's store",
-                            source,
-                        }
-                    })?);
+                    crate::store::connect(&addr).map_err(|source| TrainError::Store {
+                        rank,
+                        during: "connecting to the agent's store",
+                        source,
+                    })?;
                 if let Some(key) = var(ELASTIC_KEY_ENV) {
                     store
                         .set(&key, std::process::id().to_string().as_bytes())

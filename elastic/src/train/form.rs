@@ -35,6 +35,10 @@ pub struct Member {
     /// Its agent's node id (`REKINDLE_NODE_ID`; empty without an agent).
     #[serde(default)]
     pub node: String,
+    /// What it holds of a sharded state, as its strategy describes it
+    /// ([`Strategy::holdings`](super::Strategy::holdings); null for replicated state).
+    #[serde(default, skip_serializing_if = "serde_json::Value::is_null")]
+    pub holds: serde_json::Value,
 }
 
 /// The key under which a rank asks `node`'s agent to kill its worker `pid`, which stopped
@@ -190,6 +194,7 @@ mod tests {
             has_state,
             pid: 1,
             node: "n".into(),
+            holds: serde_json::json!({ "layers": [0, 1] }),
         }
     }
 

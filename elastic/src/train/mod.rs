@@ -26,40 +26,55 @@
 //! # Ok(()) }
 //! ```
 //!
-//! What [`Trainer::run`] does, per rank:
+//! What [`Trainer::run`] does, per rank. The loop is the same for every way of spreading
+//! training; a [`Strategy`] says how the state is laid out over the ranks and what a step
+//! communicates ([`DdpStrategy`], the default, replicates the model; see [`strategy`]).
 //! 1. **Restore**: the newest valid checkpoint of `checkpoint_dir`, if any (a whole-job
-//!    restart resumes there).
+//!    restart resumes there); newer checkpoints that do not verify are reported and moved
+//!    aside.
 //! 2. **Form** a group with the other ranks of the round ([`form`]): a generation number in
 //!    the job's store; a rank that was a member of the current generation (it failed, or it
 //!    replaces a process that was) opens the next one, and everyone waits until every rank
-//!    of the round has joined it. Then the TCP group is built under a store prefix unique to
-//!    (round, generation).
-//! 3. **Sync**: the rank with the newest state (the highest step; the lowest rank on ties)
-//!    broadcasts parameters, optimizer state, sampler cursor and step to all: a replacement
-//!    rank receives the survivors' live state, a fresh job rank 0's.
+//!    of the round has joined it, each publishing its step and what it holds. Then the TCP
+//!    group is built under a store prefix unique to (round, generation); strategies build
+//!    sub-groups under it.
+//! 3. **Sync**: the strategy brings the state into the group's layout from the survivors'
+//!    memory (DDP: the rank with the newest state, the highest step and then the lowest rank,
+//!    broadcasts parameters and optimizer state), from the newest checkpoint for what no
+//!    survivor holds, and names the rank whose step and sampler cursor everyone adopts.
 //! 4. **Train**: each step takes this rank's share of the global batch from the
-//!    [`ElasticSampler`] at the global cursor, runs the step function, all-reduces the
-//!    gradients ([`Ddp`], atomic steps), and every `checkpoint_every` steps rank 0 commits a
-//!    checkpoint in the background.
+//!    [`ElasticSampler`] at the global cursor, runs the strategy's step (DDP: the step
+//!    function's gradients all-reduced, [`Ddp`], atomic steps) and commits the sampler; one
+//!    small all-reduce at the step boundary averages the loss and says whether a rank is
+//!    stopping on a signal. Every `checkpoint_every` steps the writers the strategy names
+//!    commit a checkpoint in the background (DDP: rank 0).
 //! 5. **Recover**: when a collective fails (a peer died, hung past the operation deadline,
-//!    or left), the group is aborted and the interrupted step discarded (atomic steps leave
-//!    the state untouched), and the rank goes back to 2. When the agent re-forms the node
+//!    or left), the group and its sub-groups are aborted and the interrupted step discarded
+//!    (atomic steps leave the state untouched); the agents of ranks silent past the deadline
+//!    are asked to replace them, and the rank goes back to 2. When the agent re-forms the node
 //!    into a new round (a node joined or was lost), the rank moves there at the next step
 //!    boundary, with its new rank and world size, and resharding follows from the cursor.
-//! 6. **Preemption**: on SIGTERM or SIGINT the rank stops at the next step boundary; local
-//!    rank 0 of each node commits a checkpoint of the current state, and `run` returns
-//!    [`RunEnd::Preempted`].
+//! 6. **Preemption**: on SIGTERM or SIGINT the group stops at the next step boundary; sharded
+//!    state is checkpointed by every rank together, replicated state by local rank 0 of each
+//!    stopping node; the stopping ranks' `run` returns [`RunEnd::Preempted`] and the others
+//!    re-form without them.
 //!
 //! With a fixed world size the result does not depend on the faults: a run whose ranks are
 //! killed and replaced ends with parameters bit-identical to an undisturbed run.
 //!
 //! [`ElasticSampler`]: rekindle_runtime::sampler::ElasticSampler
 //! [`Ddp`]: rekindle_runtime::ddp::Ddp
+//! [`Strategy`]: strategy::Strategy
+//! [`DdpStrategy`]: strategy::DdpStrategy
 
+mod audit;
+mod checkpoint;
 mod env;
 pub mod form;
+pub mod metrics;
 mod progress;
 mod signal;
+pub mod strategy;
 mod trainer;
 
 use std::path::PathBuf;
@@ -70,8 +85,12 @@ use rekindle_runtime::ddp::DdpOptions;
 use rekindle_runtime::optim::ParamSpec;
 use rekindle_runtime::TcpOptions;
 
+pub use audit::SAMPLE_AUDIT_ENV;
 pub use env::{Assignment, WorkerEnv, ELASTIC_KEY_ENV, LOCAL_ADDR_ENV, MEMBERSHIP_NEXT_ENV};
-pub use trainer::{RunEnd, RunSummary, StepInput, StepOutput, Trainer};
+pub use strategy::{Boundary, DdpStrategy, StateSource, StepOutput, Strategy};
+pub use trainer::{RunEnd, RunSummary, StepInput, Trainer};
+
+pub(crate) use checkpoint::{MODEL_GROUP, STATE_GROUP};
 
 /// Reads this worker's place in the job from the environment `rekindle run` sets (see
 /// [`WorkerEnv::from_env`]); a process started by hand is a job of one rank.

@@ -1,25 +1,34 @@
-//! [`Trainer`]: the loop of the [module docs](super).
+//! [`Trainer`]: the loop of the [module docs](super), in the order of its numbered steps:
+//!
+//! 1. restore: [`Trainer::with_strategy`];
+//! 2. form: [`Trainer::run`] and `join`;
+//! 3. sync: `train_in_group` and `run_group`;
+//! 4. train: `train_steps` and the step boundary ([`Strategy::boundary`]);
+//! 5. recover: `fault` and `evict`, then back to 2;
+//! 6. preemption: `stop_group` inside a group, `preempt` outside.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use candle_core::backprop::GradStore;
-use candle_core::{Tensor, Var};
+use candle_core::Tensor;
 use candle_nn::VarMap;
-use rekindle_runtime::ddp::{broadcast_state, Ddp, DdpError};
+use rekindle_runtime::ddp::broadcast_state;
 use rekindle_runtime::optim::Optimizer;
-use rekindle_runtime::sampler::{ElasticConfig, ElasticSampler, ElasticState};
+use rekindle_runtime::sampler::{ElasticConfig, ElasticSampler, ElasticState, PlannedStep};
 use rekindle_runtime::store::{PrefixStore, Store};
-use rekindle_runtime::{Buffer, GroupConfig, JobSecret, ProcessGroup, ReduceOp};
-use rekindle_storage::{
-    AsyncCheckpointer, Checkpoint, CheckpointDir, LoadOptions, RetentionPolicy, Snapshot,
-    StorageError, TrainingState,
-};
+use rekindle_runtime::{GroupConfig, JobSecret, ProcessGroup};
+use rekindle_storage::{Layout, Snapshot};
 
+use super::audit::{AuditLine, SampleAudit};
+use super::checkpoint::{self, Checkpoints};
 use super::env::{Assignment, WorkerEnv};
 use super::form::{current_generation, evict_key, join_generation, Member};
+use super::metrics::MetricsWriter;
 use super::progress::{Progress, StepLine};
-use super::{param_specs, signal, ElasticOptions, TrainError};
+use super::strategy::{
+    BoxError, CheckpointPlan, DdpStrategy, Group, StateSource, StepError, Strategy, SubGroupBuilder,
+};
+use super::{signal, ElasticOptions, TrainError};
 use crate::membership::{MembershipEvent, WorkerMembership};
 
 /// What the step function gets: this rank's share of the step's global batch.
@@ -37,47 +46,13 @@ pub struct StepInput<'a> {
     pub world_size: usize,
 }
 
-/// What the step function returns.
-#[derive(Debug)]
-pub struct StepOutput {
-    grads: Option<GradStore>,
-    samples: usize,
-    loss: Option<f32>,
-}
-
-impl StepOutput {
-    /// Gradients of a loss averaged over `samples` samples.
-    pub fn new(grads: GradStore, samples: usize) -> StepOutput {
-        StepOutput {
-            grads: Some(grads),
-            samples,
-            loss: None,
-        }
-    }
-
-    /// Nothing to contribute (this rank got no samples); it still takes part in the step.
-    pub fn empty() -> StepOutput {
-        StepOutput {
-            grads: None,
-            samples: 0,
-            loss: None,
-        }
-    }
-
-    /// Reports the batch's mean loss: the loop shows the sample-weighted mean over ranks.
-    pub fn with_loss(mut self, loss: f32) -> StepOutput {
-        self.loss = Some(loss);
-        self
-    }
-}
-
 /// How [`Trainer::run`] ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RunEnd {
     /// Every step was taken.
     Finished,
-    /// SIGTERM or SIGINT: the rank stopped at a step boundary (local rank 0 committed a
-    /// checkpoint of it, if there is a checkpoint dir).
+    /// SIGTERM or SIGINT: the rank stopped at a step boundary (after a checkpoint of it, if
+    /// there is a checkpoint dir: see [`CheckpointPlan`] for who writes it).
     Preempted {
         /// The signal.
         signal: i32,
@@ -110,36 +85,32 @@ pub struct RunSummary {
 /// How often a rank building its group checks for a newer generation or round.
 const BOOTSTRAP_POLL: Duration = Duration::from_millis(50);
 
-/// The name under which the step count travels with the state.
+/// The name under which the step count travels with the loop's state.
 const STEP_TENSOR: &str = "trainer.step";
-/// Checkpoint group of the parameters.
-const MODEL_GROUP: &str = "model";
-/// Checkpoint group of optimizer and sampler state.
-const STATE_GROUP: &str = "state";
 
-/// The elastic training loop over one model, optimizer and sampler. See the
+/// The elastic training loop over one [`Strategy`] (DDP by default) and one sampler. See the
 /// [module docs](super).
-pub struct Trainer {
+pub struct Trainer<S: Strategy = DdpStrategy> {
     env: WorkerEnv,
-    varmap: VarMap,
-    vars: Vec<(String, Var)>,
-    optimizer: Box<dyn Optimizer>,
+    strategy: S,
     sampler: ElasticSampler,
     options: ElasticOptions,
     step: u64,
     has_state: bool,
     resumed_from: Option<u64>,
-    checkpoints: Option<AsyncCheckpointer>,
-    last_checkpoint: Option<u64>,
+    checkpoints: Option<Checkpoints>,
     groups_formed: u64,
     steps_discarded: u64,
     progress: Option<Progress>,
+    audit: Option<SampleAudit>,
+    metrics: MetricsWriter,
 }
 
-impl std::fmt::Debug for Trainer {
+impl<S: Strategy> std::fmt::Debug for Trainer<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Trainer")
             .field("env", &self.env)
+            .field("strategy", &self.strategy.name())
             .field("step", &self.step)
             .field("has_state", &self.has_state)
             .finish_non_exhaustive()
@@ -148,11 +119,11 @@ impl std::fmt::Debug for Trainer {
 
 /// Why a group ended.
 enum Interrupt {
-    /// A collective failed: form the next generation.
+    /// A collective failed, or peers are stopping: form the next generation.
     Failed(String),
     /// The agent moved this node to a new round.
     Reassigned(Assignment),
-    /// A termination signal.
+    /// A termination signal reached this rank (the group has checkpointed if it could).
     Signal,
     /// Every step is done.
     Done,
@@ -193,72 +164,64 @@ fn next_assignment(
     }
 }
 
-impl Trainer {
-    /// A trainer over `varmap`'s variables, `optimizer` (built over [`param_specs`] of the
-    /// same map) and the sampler `data` describes. Restores the newest valid checkpoint of
-    /// `options.checkpoint_dir`, if there is one.
+impl Trainer<DdpStrategy> {
+    /// A DDP trainer over `varmap`'s variables, `optimizer` (built over
+    /// [`param_specs`](super::param_specs) of the same map) and the sampler `data` describes.
+    /// Restores the newest valid checkpoint of `options.checkpoint_dir`, if any.
     pub fn new(
         env: WorkerEnv,
         varmap: VarMap,
         optimizer: Box<dyn Optimizer>,
         data: ElasticConfig,
         options: ElasticOptions,
-    ) -> Result<Trainer, TrainError> {
+    ) -> Result<Trainer<DdpStrategy>, TrainError> {
+        let strategy = DdpStrategy::new(varmap, optimizer, options.ddp.clone())?;
+        Trainer::with_strategy(env, strategy, data, options)
+    }
+
+    /// The model's variables.
+    pub fn varmap(&self) -> &VarMap {
+        self.strategy.varmap()
+    }
+}
+
+impl<S: Strategy> Trainer<S> {
+    /// A trainer of `strategy` over the sampler `data` describes. Step 1, **restore**: loads
+    /// the newest valid checkpoint of `options.checkpoint_dir`, if any (a whole-job restart
+    /// resumes there).
+    pub fn with_strategy(
+        env: WorkerEnv,
+        strategy: S,
+        data: ElasticConfig,
+        options: ElasticOptions,
+    ) -> Result<Trainer<S>, TrainError> {
         let rank = env.assignment.rank;
-        let config = |reason: String| TrainError::Config { reason };
-        if options.ddp.mode != rekindle_runtime::ddp::StepMode::Atomic {
-            return Err(config(
-                "live recovery needs atomic DDP steps (DdpOptions::mode = Atomic)".into(),
-            ));
-        }
-        if optimizer.params() != param_specs(&varmap)?.as_slice() {
-            return Err(config(
-                "the optimizer must be built over train::param_specs(&varmap) (the model's \
-                 parameters sorted by name)"
-                    .into(),
-            ));
-        }
-        let mut vars: Vec<(String, Var)> = varmap
-            .data()
-            .lock()
-            .map_err(|_| config("the VarMap's lock is poisoned".into()))?
-            .iter()
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
-        vars.sort_by(|a, b| a.0.cmp(&b.0));
         let sampler = ElasticSampler::new(data).map_err(|e| TrainError::State {
             rank,
             what: "building the sampler",
             reason: e.to_string(),
         })?;
         let checkpoints = match &options.checkpoint_dir {
-            Some(dir) => {
-                let ck = |source| TrainError::Checkpoint { rank, source };
-                let policy = RetentionPolicy::last(options.keep_checkpoints.max(1)).map_err(ck)?;
-                let dir = CheckpointDir::new(dir.clone())
-                    .map_err(ck)?
-                    .with_retention(policy);
-                Some(AsyncCheckpointer::new(dir))
-            }
+            Some(dir) => Some(Checkpoints::new(dir, options.keep_checkpoints, rank)?),
             None => None,
         };
         let mut trainer = Trainer {
             env,
-            varmap,
-            vars,
-            optimizer,
+            strategy,
             sampler,
             options,
             step: 0,
             has_state: false,
             resumed_from: None,
             checkpoints,
-            last_checkpoint: None,
             groups_formed: 0,
             steps_discarded: 0,
             progress: None,
+            audit: SampleAudit::from_env()?,
+            metrics: MetricsWriter::from_env(),
         };
         trainer.restore()?;
+        trainer.metrics.at_step(trainer.step);
         Ok(trainer)
     }
 
@@ -271,9 +234,14 @@ impl Trainer {
         self.step
     }
 
-    /// The model's variables.
-    pub fn varmap(&self) -> &VarMap {
-        &self.varmap
+    /// The strategy.
+    pub fn strategy(&self) -> &S {
+        &self.strategy
+    }
+
+    /// The strategy, mutably (between runs).
+    pub fn strategy_mut(&mut self) -> &mut S {
+        &mut self.strategy
     }
 
     /// This worker's place in the job.
@@ -289,69 +257,46 @@ impl Trainer {
         }
     }
 
-    /// Loads the newest valid checkpoint, if there is one.
+    fn step_err(&self, e: StepError) -> TrainError {
+        let rank = self.rank();
+        match e {
+            StepError::Program(source) => TrainError::Step {
+                rank,
+                step: self.step,
+                source,
+            },
+            StepError::Checkpoint(source) => TrainError::Checkpoint {
+                rank,
+                source: *source,
+            },
+            StepError::State { what, reason } => TrainError::State { rank, what, reason },
+            e @ StepError::Collective { .. } => TrainError::State {
+                rank,
+                what: "a collective outside a group",
+                reason: e.to_string(),
+            },
+        }
+    }
+
+    /// Step 1: the newest valid checkpoint, if any: the loop's state, then the strategy's.
     fn restore(&mut self) -> Result<(), TrainError> {
         let rank = self.rank();
-        let Some(ck) = &self.checkpoints else {
+        let Some(ck) = &mut self.checkpoints else {
             return Ok(());
         };
-        let ckerr = |source| TrainError::Checkpoint { rank, source };
-        // The newest checkpoint that verifies; newer ones that do not are moved aside (kept
-        // for inspection as `step-N.corrupt-<pid>`), so that the run can commit those steps
-        // again.
-        let dir = ck.dir();
-        let opts = LoadOptions::default();
-        let mut corrupt = Vec::new();
-        let mut found = None;
-        for &step in dir.committed_steps().map_err(ckerr)?.iter().rev() {
-            match Checkpoint::open(&dir.step_path(step), &opts) {
-                Ok(c) => {
-                    found = Some(c);
-                    break;
-                }
-                Err(e @ StorageError::CudaNotCompiled { .. }) => return Err(ckerr(e)),
-                Err(e) => {
-                    tracing::warn!(step, error = %e, "skipping a checkpoint that does not verify");
-                    eprintln!(
-                        "rekindle: rank {rank}: checkpoint step-{step} does not verify ({e}); \
-                         moving it aside"
-                    );
-                    corrupt.push(step);
-                }
-            }
-        }
-        for step in corrupt {
-            let from = dir.step_path(step);
-            let to = from.with_file_name(format!("step-{step}.corrupt-{}", std::process::id()));
-            // Another rank may have moved it already.
-            let _ = std::fs::rename(&from, &to);
-        }
-        let Some(ckpt) = found else {
+        let Some(ckpt) = ck.open_newest_valid()? else {
             return Ok(());
         };
-        for (name, var) in &self.vars {
-            let t = ckpt
-                .tensor(name)
-                .and_then(|t| t.to_candle_on(rekindle_runtime::Device::Cpu))
-                .map_err(ckerr)?;
-            t.to_device(var.device())
-                .and_then(|t| var.set(&t))
-                .map_err(|e| self.state_err("restoring a parameter", format!("{name}: {e}")))?;
-        }
-        let mut rest = Vec::new();
-        for name in ckpt.names() {
-            if self.vars.iter().any(|(n, _)| n == name) {
-                continue;
-            }
-            let t = ckpt
-                .tensor(name)
-                .and_then(|t| t.to_candle_on(rekindle_runtime::Device::Cpu))
-                .map_err(ckerr)?;
-            rest.push((name.to_string(), t));
-        }
-        self.import_state(&rest, Some(ckpt.step()))?;
+        let sampler = checkpoint::read_sampler(&ckpt, rank)?;
+        self.sampler
+            .restore(sampler)
+            .map_err(|e| self.state_err("restoring the sampler", e))?;
+        let world_size = self.env.assignment.world_size;
+        self.strategy
+            .restore(&ckpt, rank, world_size)
+            .map_err(|e| self.step_err(e))?;
+        self.step = ckpt.step();
         self.resumed_from = Some(ckpt.step());
-        self.last_checkpoint = Some(ckpt.step());
         self.has_state = true;
         tracing::info!(rank, step = ckpt.step(), path = %ckpt.path().display(), "resumed from checkpoint");
         eprintln!(
@@ -362,116 +307,32 @@ impl Trainer {
         Ok(())
     }
 
-    /// Optimizer and sampler state (and the step) as named tensors.
-    fn export_state(&self) -> Result<Vec<(String, Tensor)>, TrainError> {
+    /// The loop's own state (sampler and step) as named tensors, for the sync broadcast.
+    fn export_loop_state(&self) -> Result<Vec<(String, Tensor)>, TrainError> {
         let mut out = self
-            .optimizer
+            .sampler
             .state()
-            .map_err(|e| self.state_err("exporting the optimizer state", e))?;
-        out.extend(
-            self.sampler
-                .state()
-                .to_tensors()
-                .map_err(|e| self.state_err("exporting the sampler state", e))?,
-        );
+            .to_tensors()
+            .map_err(|e| self.state_err("exporting the sampler state", e))?;
         let step = Tensor::new(self.step as i64, &candle_core::Device::Cpu)
             .map_err(|e| self.state_err("exporting the step", e))?;
         out.push((STEP_TENSOR.to_string(), step));
         Ok(out)
     }
 
-    fn import_state(
-        &mut self,
-        state: &[(String, Tensor)],
-        step: Option<u64>,
-    ) -> Result<(), TrainError> {
-        self.optimizer
-            .load_state(state)
-            .map_err(|e| self.state_err("importing the optimizer state", e))?;
+    fn import_loop_state(&mut self, state: &[(String, Tensor)]) -> Result<(), TrainError> {
         let sampler = ElasticState::from_tensors(state)
             .map_err(|e| self.state_err("importing the sampler state", e))?;
         self.sampler
             .restore(sampler)
             .map_err(|e| self.state_err("importing the sampler state", e))?;
-        self.step = match step {
-            Some(s) => s,
-            None => state
-                .iter()
-                .find(|(n, _)| n == STEP_TENSOR)
-                .and_then(|(_, t)| t.to_scalar::<i64>().ok())
-                .map(|s| s as u64)
-                .ok_or_else(|| self.state_err("importing the step", "no trainer.step tensor"))?,
-        };
+        self.step = state
+            .iter()
+            .find(|(n, _)| n == STEP_TENSOR)
+            .and_then(|(_, t)| t.to_scalar::<i64>().ok())
+            .map(|s| s as u64)
+            .ok_or_else(|| self.state_err("importing the step", "no trainer.step tensor"))?;
         Ok(())
-    }
-
-    fn snapshot(&self, world_size: usize) -> Result<Snapshot, TrainError> {
-        let rank = self.rank();
-        let ckerr = |source| TrainError::Checkpoint { rank, source };
-        let mut snap = Snapshot::new(TrainingState {
-            step: self.step,
-            epoch: self.sampler.epoch(),
-            sample_cursor: self.sampler.cursor() as u64,
-            world_size,
-            ..Default::default()
-        });
-        snap.insert_varmap(MODEL_GROUP, &self.varmap)
-            .map_err(ckerr)?;
-        for (name, t) in self.export_state()? {
-            if name == STEP_TENSOR {
-                continue;
-            }
-            snap.insert_candle(STATE_GROUP, &name, &t).map_err(ckerr)?;
-        }
-        Ok(snap)
-    }
-
-    /// Starts a background checkpoint of the current state (rank 0).
-    fn checkpoint_async(&mut self, world_size: usize) -> Result<(), TrainError> {
-        if self.checkpoints.is_none() || self.last_checkpoint == Some(self.step) {
-            return Ok(());
-        }
-        let snap = self.snapshot(world_size)?;
-        let Some(ck) = &self.checkpoints else {
-            return Ok(());
-        };
-        match ck.save_owned(snap) {
-            Ok(()) => self.last_checkpoint = Some(self.step),
-            // The previous save failed: say so and go on training (what was saved before
-            // is untouched); the next checkpoint tries again.
-            Err(e) => tracing::warn!(step = self.step, error = %e, "checkpoint failed"),
-        }
-        Ok(())
-    }
-
-    /// Commits a checkpoint of the current state now and waits until it is durable.
-    fn checkpoint_now(&mut self, world_size: usize) -> Result<Option<u64>, TrainError> {
-        let rank = self.rank();
-        let Some(ck) = &self.checkpoints else {
-            return Ok(None);
-        };
-        if let Err(e) = ck.flush(Duration::from_secs(600)) {
-            tracing::warn!(error = %e, "the checkpoint in flight failed");
-        }
-        if self.last_checkpoint == Some(self.step) && ck.dir().step_path(self.step).exists() {
-            return Ok(Some(self.step));
-        }
-        let snap = self.snapshot(world_size)?;
-        let Some(ck) = &self.checkpoints else {
-            return Ok(None);
-        };
-        match ck.dir().save(&snap) {
-            Ok(info) => {
-                self.last_checkpoint = Some(info.step);
-                Ok(Some(info.step))
-            }
-            // Another node committed the same step (the state is replicated): done.
-            Err(StorageError::AlreadyExists { .. }) => {
-                self.last_checkpoint = Some(self.step);
-                Ok(Some(self.step))
-            }
-            Err(source) => Err(TrainError::Checkpoint { rank, source }),
-        }
     }
 
     /// The next membership event that asks this worker to move, if the agent sent one.
@@ -480,21 +341,27 @@ impl Trainer {
     }
 
     /// Runs until `max_steps` steps are done (counting those of a checkpoint resumed from)
-    /// or a termination signal arrives. `step_fn` computes this rank's gradients for its
-    /// share of a step; it is called again for a step that was interrupted.
+    /// or a termination signal arrives. `step_fn` computes this rank's part of a step (for
+    /// DDP: the gradients of its share); it is called again for a step that was interrupted.
+    ///
+    /// Step 2, **form**: each pass of the loop joins the current generation of the round with
+    /// the other ranks ([`form`](super::form)) and trains in its group until the group ends:
+    /// a failed collective (5, **recover**) forms the next generation, a new round from the
+    /// agent moves this rank there, and a termination signal (6, **preemption**) stops it.
     pub fn run<E>(
         &mut self,
         max_steps: u64,
-        mut step_fn: impl FnMut(&StepInput<'_>) -> Result<StepOutput, E>,
+        mut step_fn: impl FnMut(&StepInput<'_>) -> Result<S::Output, E>,
     ) -> Result<RunSummary, TrainError>
     where
-        E: Into<Box<dyn std::error::Error + Send + Sync>>,
+        E: Into<BoxError>,
     {
         if self.options.handle_signals {
             signal::install().map_err(|e| TrainError::Config {
                 reason: format!("cannot install the SIGTERM handler: {e}"),
             })?;
         }
+        let mut step_fn = |input: &StepInput<'_>| step_fn(input).map_err(Into::into);
         let mut store = self.env.assignment.connect()?;
         let mut pending: Option<Assignment> = None;
         loop {
@@ -505,49 +372,13 @@ impl Trainer {
             if let Some(signal) = signal::received().filter(|_| self.options.handle_signals) {
                 return self.preempt(signal);
             }
-            if self.step >= max_steps {
+            if self.step >= max_steps && self.strategy.finished() {
                 return self.finish(max_steps);
             }
-            let Assignment {
-                round,
-                rank,
-                world_size,
-                ..
-            } = self.env.assignment.clone();
-            let me = Member {
-                step: self.step,
-                has_state: self.has_state,
-                pid: std::process::id(),
-                node: self.env.node_id.clone(),
-            };
-            let handle_signals = self.options.handle_signals;
-            let mut moved = None;
-            let joined = {
-                let membership = &mut self.env.membership;
-                let local_rank = self.env.local_rank;
-                join_generation(
-                    store.as_ref(),
-                    rank,
-                    world_size,
-                    &me,
-                    self.options.rejoin_timeout,
-                    round,
-                    || {
-                        if handle_signals && signal::received().is_some() {
-                            return true;
-                        }
-                        if let Some(a) = next_assignment(membership, local_rank) {
-                            moved = Some(a);
-                            return true;
-                        }
-                        false
-                    },
-                )?
-            };
-            let Some((generation, members)) = joined else {
-                pending = moved;
+            let Some((generation, members)) = self.join(&store, &mut pending)? else {
                 continue;
             };
+            let rank = self.rank();
             match self.train_in_group(&store, generation, &members, max_steps, &mut step_fn)? {
                 Interrupt::Failed(why) => {
                     tracing::warn!(rank, generation, reason = %why, "group failed; re-forming");
@@ -560,6 +391,49 @@ impl Trainer {
                 Interrupt::Signal | Interrupt::Done => {}
             }
         }
+    }
+
+    /// Joins the current generation; `None` when a signal or a new round interrupted the
+    /// wait (the new round is left in `pending`).
+    fn join(
+        &mut self,
+        store: &Arc<dyn Store>,
+        pending: &mut Option<Assignment>,
+    ) -> Result<Option<(u64, Vec<Member>)>, TrainError> {
+        let Assignment {
+            round,
+            rank,
+            world_size,
+            ..
+        } = self.env.assignment.clone();
+        let me = Member {
+            step: self.step,
+            has_state: self.has_state,
+            pid: std::process::id(),
+            node: self.env.node_id.clone(),
+            holds: self.strategy.holdings(),
+        };
+        let handle_signals = self.options.handle_signals;
+        let membership = &mut self.env.membership;
+        let local_rank = self.env.local_rank;
+        join_generation(
+            store.as_ref(),
+            rank,
+            world_size,
+            &me,
+            self.options.rejoin_timeout,
+            round,
+            || {
+                if handle_signals && signal::received().is_some() {
+                    return true;
+                }
+                if let Some(a) = next_assignment(membership, local_rank) {
+                    *pending = Some(a);
+                    return true;
+                }
+                false
+            },
+        )
     }
 
     fn say(&self, msg: &str) {
@@ -578,31 +452,48 @@ impl Trainer {
         self.env.assignment = a;
     }
 
-    /// Builds the group of `generation`, syncs the state and trains until the group ends.
-    fn train_in_group<E>(
+    /// How long this rank waits for a collective's result. The backend's own deadline
+    /// (`op_timeout`, counted from when the operation starts) fails a stuck operation first and
+    /// names the silent ranks; waiting no longer than `op_timeout` here would race it and could
+    /// end with an error that names nobody, leaving no rank to evict.
+    fn collective_wait(&self) -> Duration {
+        self.options.op_timeout * 2 + Duration::from_secs(1)
+    }
+
+    /// Builds the group of `generation` on a helper thread, so that a newer generation (a
+    /// member died before connecting and its replacement arrived) or a new round ends the wait
+    /// at once instead of at the bootstrap deadline; an abandoned build ends at that deadline.
+    fn build_group(
         &mut self,
         store: &Arc<dyn Store>,
         generation: u64,
-        members: &[Member],
-        max_steps: u64,
-        step_fn: &mut impl FnMut(&StepInput<'_>) -> Result<StepOutput, E>,
-    ) -> Result<Interrupt, TrainError>
-    where
-        E: Into<Box<dyn std::error::Error + Send + Sync>>,
-    {
+    ) -> Result<Result<(ProcessGroup, SubGroupBuilder), Interrupt>, TrainError> {
         let Assignment {
             round,
             rank,
             world_size,
             ..
         } = self.env.assignment.clone();
-        let formed_at = Instant::now();
         let secret = JobSecret::from_env().map_err(|e| TrainError::Config {
             reason: e.to_string(),
         })?;
-        let group = GroupConfig {
+        let round_id = (round << 32) | (generation & 0xffff_ffff);
+        let mut tcp = self.options.tcp.clone();
+        if let Some(ip) = self.env.local_addr.filter(|ip| !ip.is_loopback()) {
+            tcp.bind_addr = ip;
+        }
+        let subgroups = SubGroupBuilder {
             job: self.env.job.clone(),
-            round: (round << 32) | (generation & 0xffff_ffff),
+            round: round_id,
+            store: store.clone(),
+            secret: secret.clone(),
+            tcp: tcp.clone(),
+            op_timeout: self.options.op_timeout,
+            bootstrap_timeout: self.options.bootstrap_timeout,
+        };
+        let config = GroupConfig {
+            job: self.env.job.clone(),
+            round: round_id,
             rank,
             world_size,
             store: Arc::new(PrefixStore::new(store.clone(), "pg/")),
@@ -610,92 +501,174 @@ impl Trainer {
             op_timeout: self.options.op_timeout,
             bootstrap_timeout: self.options.bootstrap_timeout,
         };
-        let mut tcp = self.options.tcp.clone();
-        if let Some(ip) = self.env.local_addr.filter(|ip| !ip.is_loopback()) {
-            tcp.bind_addr = ip;
-        }
-        // Build the group on a helper thread, so that a newer generation (a member died
-        // before connecting and its replacement arrived) or a new round ends the wait at once
-        // instead of at the bootstrap deadline; an abandoned build ends at that deadline.
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::Builder::new()
             .name("rekindle-bootstrap".into())
             .spawn(move || {
-                let _ = tx.send(ProcessGroup::tcp(group, tcp));
+                let _ = tx.send(ProcessGroup::tcp(config, tcp));
             })
             .map_err(|e| TrainError::Config {
                 reason: format!("cannot start the bootstrap thread: {e}"),
             })?;
-        let pg = loop {
+        loop {
             match rx.recv_timeout(BOOTSTRAP_POLL) {
-                Ok(Ok(pg)) => break pg,
-                Ok(Err(e)) => return Ok(Interrupt::Failed(format!("building the group: {e}"))),
+                Ok(Ok(pg)) => return Ok(Ok((pg, subgroups))),
+                Ok(Err(e)) => {
+                    return Ok(Err(Interrupt::Failed(format!("building the group: {e}"))))
+                }
                 Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
-                    return Ok(Interrupt::Failed(
+                    return Ok(Err(Interrupt::Failed(
                         "building the group: the builder stopped".into(),
-                    ))
+                    )))
                 }
                 Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
             }
             if let Some(a) = self.poll_agent() {
-                return Ok(Interrupt::Reassigned(a));
+                return Ok(Err(Interrupt::Reassigned(a)));
             }
             if current_generation(store.as_ref(), rank)? > generation {
-                return Ok(Interrupt::Failed(format!(
+                return Ok(Err(Interrupt::Failed(format!(
                     "generation {generation} was superseded while its group was being built"
-                )));
+                ))));
             }
+        }
+    }
+
+    /// Step 3, **sync**, and the group's life: builds the group of `generation`, lets the
+    /// strategy bring the state into the group's layout, adopts the loop state of the rank the
+    /// strategy names, trains until the group ends, and aborts the group (and its sub-groups)
+    /// unless it ended with every step done.
+    fn train_in_group(
+        &mut self,
+        store: &Arc<dyn Store>,
+        generation: u64,
+        members: &[Member],
+        max_steps: u64,
+        step_fn: &mut dyn FnMut(&StepInput<'_>) -> Result<S::Output, BoxError>,
+    ) -> Result<Interrupt, TrainError> {
+        let formed_at = Instant::now();
+        let (pg, builder) = match self.build_group(store, generation)? {
+            Ok(built) => built,
+            Err(interrupt) => return Ok(interrupt),
         };
-        // The newest state wins: the highest step, then the lowest rank. Without any state,
-        // rank 0's (seeded) initial state.
-        let src = members
-            .iter()
-            .enumerate()
-            .filter(|(_, m)| m.has_state)
-            .max_by(|(ra, a), (rb, b)| a.step.cmp(&b.step).then(rb.cmp(ra)))
-            .map(|(r, _)| r)
-            .unwrap_or(0);
-        let mut ddp_options = self.options.ddp.clone();
-        ddp_options.timeout = ddp_options.timeout.max(self.collective_wait());
-        let mut ddp = match Ddp::with_root(&self.varmap, pg, ddp_options, src) {
-            Ok(d) => d,
-            Err(e @ DdpError::Collective { .. }) => {
-                return Ok(Interrupt::Failed(format!("syncing parameters: {e}")))
+        let mut subgroups = Vec::new();
+        let out = self.run_group(
+            store,
+            &pg,
+            &builder,
+            &mut subgroups,
+            generation,
+            members,
+            max_steps,
+            formed_at,
+            step_fn,
+        );
+        if !matches!(out, Ok(Interrupt::Done)) {
+            // Tell the peers now rather than when their next operation times out.
+            for sub in &subgroups {
+                sub.abort();
             }
-            Err(e) => return Err(self.state_err("building DDP", e)),
+            pg.abort();
+        }
+        self.strategy.leave();
+        out
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run_group(
+        &mut self,
+        store: &Arc<dyn Store>,
+        pg: &ProcessGroup,
+        builder: &SubGroupBuilder,
+        subgroups: &mut Vec<ProcessGroup>,
+        generation: u64,
+        members: &[Member],
+        max_steps: u64,
+        formed_at: Instant,
+        step_fn: &mut dyn FnMut(&StepInput<'_>) -> Result<S::Output, BoxError>,
+    ) -> Result<Interrupt, TrainError> {
+        let round = self.env.assignment.round;
+        let rank = pg.rank();
+        let world_size = pg.world_size();
+        let wait = self.collective_wait();
+        let mut group = Group {
+            pg,
+            round,
+            generation,
+            members,
+            builder,
+            subgroups,
+            checkpoints: self.checkpoints.as_ref().map(Checkpoints::writer),
+            newest: None,
+            wait,
+            max_steps,
         };
-        let mine = if rank == src {
-            Some(self.export_state()?)
-        } else {
-            None
+        let source = match self.strategy.sync(&mut group) {
+            Ok(source) => source,
+            Err(e) => return self.fault(store, members, e),
         };
-        match broadcast_state(ddp.process_group(), mine, src, self.collective_wait()) {
-            Ok(state) => {
-                if rank != src {
-                    self.import_state(&state, None)?;
+        let src = match source {
+            StateSource::Rank(src) | StateSource::Advance { rank: src, .. } => {
+                let mine = if rank == src {
+                    Some(self.export_loop_state()?)
+                } else {
+                    None
+                };
+                match broadcast_state(pg, mine, src, wait) {
+                    Ok(state) if rank != src => self.import_loop_state(&state)?,
+                    Ok(_) => {}
+                    Err(rekindle_runtime::ddp::DdpError::Collective { source, .. }) => {
+                        return self.fault(
+                            store,
+                            members,
+                            StepError::collective("syncing the step", source),
+                        )
+                    }
+                    Err(e) => return Err(self.state_err("syncing the step", e)),
+                }
+                match source {
+                    StateSource::Advance { step, .. } if step != self.step => {
+                        let from = self.step;
+                        self.advance_to(step)?;
+                        format!("rank {src}, moved on from step {from}")
+                    }
+                    _ => format!("rank {src}"),
                 }
             }
-            Err(e @ DdpError::Collective { .. }) => {
-                ddp.process_group().abort();
-                return Ok(Interrupt::Failed(format!("syncing state: {e}")));
+            StateSource::Checkpoint => {
+                let ckpt = match group.newest_checkpoint() {
+                    Ok(Some(c)) => c,
+                    Ok(None) => {
+                        return Err(self.state_err(
+                            "syncing the step",
+                            "the strategy rolled back to a checkpoint, but there is none",
+                        ))
+                    }
+                    Err(e) => return Err(self.step_err(e)),
+                };
+                let sampler = checkpoint::read_sampler(&ckpt, rank)?;
+                self.sampler
+                    .restore(sampler)
+                    .map_err(|e| self.state_err("restoring the sampler", e))?;
+                self.step = ckpt.step();
+                format!("checkpoint step-{}", ckpt.step())
             }
-            Err(e) => return Err(self.state_err("syncing state", e)),
-        }
+        };
         self.has_state = true;
         self.groups_formed += 1;
-        if rank == 0 && self.progress.is_none() {
-            self.progress = Some(Progress::new(
-                max_steps,
-                self.step,
-                self.options.progress,
-                self.options.loss_csv.as_deref(),
-            )?);
-        }
         if rank == 0 {
+            if self.progress.is_none() {
+                self.progress = Some(Progress::new(
+                    max_steps,
+                    self.step,
+                    self.options.progress,
+                    self.options.loss_csv.as_deref(),
+                )?);
+            }
             let joiners = members.iter().filter(|m| !m.has_state).count();
             self.say(&format!(
                 "rekindle: round {round} generation {generation}: {world_size} rank(s), state \
-                 of step {} from rank {src}{} (formed in {:.1} ms)",
+                 of step {} from {src}{} (formed in {:.1} ms)",
                 self.step,
                 if joiners > 0 {
                     format!(", {joiners} joined without state")
@@ -705,20 +678,52 @@ impl Trainer {
                 formed_at.elapsed().as_secs_f64() * 1e3
             ));
         }
-        let out = self.train_steps(store, members, &mut ddp, max_steps, step_fn);
-        if !matches!(out, Ok(Interrupt::Done)) {
-            // Tell the peers now rather than when their next operation times out.
-            ddp.process_group().abort();
-        }
-        out
+        self.train_steps(store, &mut group, max_steps, step_fn)
     }
 
-    /// How long this rank waits for a collective's result. The backend's own deadline
-    /// (`op_timeout`, counted from when the operation starts) fails a stuck operation first and
-    /// names the silent ranks; waiting no longer than `op_timeout` here would race it and could
-    /// end with an error that names nobody, leaving no rank to evict.
-    fn collective_wait(&self) -> Duration {
-        self.options.op_timeout * 2 + Duration::from_secs(1)
+    /// Moves the loop state forward to `step` ([`StateSource::Advance`]): plans and commits
+    /// the steps in between without computing them (their updates are in the strategy's state
+    /// already; they were audited when they were first committed).
+    fn advance_to(&mut self, step: u64) -> Result<(), TrainError> {
+        if step < self.step {
+            return Err(self.state_err(
+                "syncing the step",
+                format!(
+                    "the strategy asked to move the state from step {} back to {step}",
+                    self.step
+                ),
+            ));
+        }
+        while self.step < step {
+            if self.sampler.epoch_done() {
+                self.sampler.set_epoch(self.sampler.epoch() + 1);
+            }
+            let Some(planned) = self.sampler.plan() else {
+                return Err(self.state_err("moving the step on", "the epoch has no samples"));
+            };
+            self.sampler
+                .commit(&planned)
+                .map_err(|e| self.state_err("moving the step on", e))?;
+            self.step += 1;
+        }
+        Ok(())
+    }
+
+    /// A strategy error inside a group: a failed collective ends the group (asking the agents
+    /// of the silent ranks to replace them); anything else ends the run.
+    fn fault(
+        &mut self,
+        store: &Arc<dyn Store>,
+        members: &[Member],
+        e: StepError,
+    ) -> Result<Interrupt, TrainError> {
+        match e {
+            StepError::Collective { ref silent, .. } => {
+                self.evict(store, members, silent);
+                Ok(Interrupt::Failed(e.to_string()))
+            }
+            e => Err(self.step_err(e)),
+        }
     }
 
     /// Asks the agents of the ranks that went silent to replace them.
@@ -737,26 +742,39 @@ impl Trainer {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn train_steps<E>(
+    /// This rank's share of `planned` under the strategy's data split.
+    fn share<'p>(
+        &self,
+        planned: &'p PlannedStep,
+        group: &Group<'_>,
+    ) -> Result<&'p [usize], TrainError> {
+        match self.strategy.data_share(group.rank(), group.world_size()) {
+            Some((share, shares)) => planned
+                .rank_indices(shares, share)
+                .map_err(|e| self.state_err("planning a step", e)),
+            None => Ok(&[]),
+        }
+    }
+
+    /// Step 4, **train**: steps in this group until every step is done, the group fails, the
+    /// agent moves the rank, or a signal stops it. Each step: this rank's share of the global
+    /// batch, the strategy's step, the sampler's commit, then one small all-reduce at the step
+    /// boundary that averages the loss and tells every rank whether one of them is stopping
+    /// on a signal (so the group checkpoints together before it shrinks).
+    fn train_steps(
         &mut self,
         store: &Arc<dyn Store>,
-        members: &[Member],
-        ddp: &mut Ddp,
+        group: &mut Group<'_>,
         max_steps: u64,
-        step_fn: &mut impl FnMut(&StepInput<'_>) -> Result<StepOutput, E>,
-    ) -> Result<Interrupt, TrainError>
-    where
-        E: Into<Box<dyn std::error::Error + Send + Sync>>,
-    {
-        let rank = ddp.process_group().rank();
-        let world_size = ddp.process_group().world_size();
+        step_fn: &mut dyn FnMut(&StepInput<'_>) -> Result<S::Output, BoxError>,
+    ) -> Result<Interrupt, TrainError> {
+        let rank = group.rank();
+        let world_size = group.world_size();
+        let members = group.members;
+        let first_step = self.step;
         while self.step < max_steps {
             if let Some(a) = self.poll_agent() {
                 return Ok(Interrupt::Reassigned(a));
-            }
-            if signal::received().is_some() && self.options.handle_signals {
-                return Ok(Interrupt::Signal);
             }
             if self.sampler.epoch_done() {
                 self.sampler.set_epoch(self.sampler.epoch() + 1);
@@ -764,9 +782,7 @@ impl Trainer {
             let Some(planned) = self.sampler.plan() else {
                 return Err(self.state_err("planning a step", "the epoch has no samples"));
             };
-            let indices = planned
-                .rank_indices(world_size, rank)
-                .map_err(|e| self.state_err("planning a step", e))?;
+            let indices = self.share(&planned, group)?;
             let started = Instant::now();
             let input = StepInput {
                 step: self.step,
@@ -775,51 +791,40 @@ impl Trainer {
                 rank,
                 world_size,
             };
-            let out = step_fn(&input).map_err(|e| TrainError::Step {
-                rank,
-                step: self.step,
-                source: e.into(),
-            })?;
-            let report = match ddp.step(out.grads.as_ref(), out.samples, self.optimizer.as_mut()) {
-                Ok(r) => r,
-                Err(e @ DdpError::Collective { .. }) => {
-                    self.steps_discarded += 1;
-                    if let DdpError::Collective {
-                        source: rekindle_runtime::Error::Timeout { waiting_on, .. },
-                        ..
-                    } = &e
-                    {
-                        self.evict(store, members, waiting_on);
+            let done = match self.strategy.step(group, &input, step_fn) {
+                Ok(d) => d,
+                Err(e) => {
+                    if matches!(e, StepError::Collective { .. }) {
+                        self.steps_discarded += 1;
                     }
-                    return Ok(Interrupt::Failed(e.to_string()));
+                    return self.fault(store, members, e);
                 }
-                Err(e) => return Err(self.state_err("the DDP step", e)),
             };
             self.sampler
                 .commit(&planned)
                 .map_err(|e| self.state_err("advancing the sampler", e))?;
+            if let Some(audit) = &mut self.audit {
+                audit.record(&AuditLine {
+                    step: self.step,
+                    epoch: planned.epoch(),
+                    world_size,
+                    rank,
+                    round: group.round(),
+                    generation: group.generation(),
+                    indices: planned.indices(),
+                });
+            }
             self.step += 1;
-            // The loss, averaged over the ranks' samples (after the update: a failure here
-            // loses nothing).
-            let (sum, n) = match out.loss {
-                Some(l) => (l as f64 * out.samples as f64, out.samples as f64),
-                None => (0.0, 0.0),
-            };
-            let loss = match ddp
-                .process_group()
-                .all_reduce(Buffer::from(vec![sum, n]), ReduceOp::Sum)
-                .wait(self.collective_wait())
-            {
-                Ok(b) => match b.as_slice::<f64>() {
-                    Some(&[s, n]) if n > 0.0 => Some(s / n),
-                    _ => None,
-                },
-                Err(e) => {
-                    if let rekindle_runtime::Error::Timeout { waiting_on, .. } = &e {
-                        self.evict(store, members, waiting_on);
-                    }
-                    return Ok(Interrupt::Failed(e.to_string()));
-                }
+            self.metrics
+                .step(self.step, started.elapsed().as_secs_f64());
+            if let Some(ck) = &self.checkpoints {
+                self.metrics.observe(&ck.writer());
+            }
+            // The step boundary (after the update: a failure here loses nothing).
+            let stopping = self.options.handle_signals && signal::received().is_some();
+            let (loss, stop) = match self.strategy.boundary(group, &done, stopping) {
+                Ok(b) => (b.loss, b.stop),
+                Err(e) => return self.fault(store, members, e),
             };
             if rank == 0 {
                 let secs = started.elapsed().as_secs_f64().max(1e-9);
@@ -827,29 +832,199 @@ impl Trainer {
                     step: self.step,
                     epoch: planned.epoch(),
                     loss,
-                    samples_per_s: report.global_samples as f64 / secs,
+                    samples_per_s: done.global_samples as f64 / secs,
                     world_size,
                 };
                 if let Some(p) = &mut self.progress {
                     p.step(&line)?;
                 }
-                let every = self.options.checkpoint_every;
-                if every > 0 && self.step % every == 0 {
-                    self.checkpoint_async(world_size)?;
+            }
+            if stop {
+                return self.stop_group(store, group, stopping);
+            }
+            let every = self.options.checkpoint_every;
+            if every > 0 && self.step % every == 0 {
+                let fresh = self
+                    .checkpoints
+                    .as_ref()
+                    .is_some_and(|c| c.last() != Some(self.step));
+                if fresh {
+                    if let Err(e) = self.prepare_sharded(group) {
+                        return self.fault(store, members, e);
+                    }
                 }
+                self.checkpoint_async(store, group)?;
             }
             let check = self.options.check_parameters_every;
             if check > 0 && self.step % check == 0 {
-                match ddp.check_parameters() {
-                    Ok(_) => {}
-                    Err(e @ DdpError::Collective { .. }) => {
-                        return Ok(Interrupt::Failed(e.to_string()))
-                    }
-                    Err(e) => return Err(self.state_err("checking parameters", e)),
+                if let Err(e) = self.strategy.verify(group) {
+                    return self.fault(store, members, e);
                 }
             }
         }
+        // A group formed only to run `finish` (a failure interrupted it) took no step.
+        let stepped = self.step > first_step;
+        if let CheckpointPlan::Sharded(_) = self.strategy.checkpoint_plan(world_size) {
+            if stepped {
+                // Every shard owner is still here: the final checkpoint is written together.
+                if let Err(e) = self.prepare_sharded(group) {
+                    return self.fault(store, members, e);
+                }
+                self.checkpoint_sharded_now(store, group)?;
+            }
+        }
+        if let Err(e) = self.strategy.finish(group) {
+            return self.fault(store, members, e);
+        }
         Ok(Interrupt::Done)
+    }
+
+    /// Step 6 inside a group: a rank is stopping on a signal. With sharded state every rank
+    /// writes its shard of this step now, while the group still holds every shard; then the
+    /// stopping ranks leave and the others re-form without them.
+    fn stop_group(
+        &mut self,
+        store: &Arc<dyn Store>,
+        group: &mut Group<'_>,
+        stopping: bool,
+    ) -> Result<Interrupt, TrainError> {
+        if let CheckpointPlan::Sharded(_) = self.strategy.checkpoint_plan(group.world_size()) {
+            let saved = match self.prepare_sharded(group) {
+                Ok(()) => self.checkpoint_sharded_now(store, group),
+                Err(e) => Err(self.step_err(e)),
+            };
+            if let Err(e) = saved {
+                tracing::warn!(error = %e, "the checkpoint at preemption failed");
+                eprintln!(
+                    "rekindle: rank {}: the checkpoint at preemption failed: {e}",
+                    self.rank()
+                );
+            }
+        }
+        if stopping {
+            Ok(Interrupt::Signal)
+        } else {
+            Ok(Interrupt::Failed(format!(
+                "a rank is stopping on a signal at step {}",
+                self.step
+            )))
+        }
+    }
+
+    /// Lets the strategy prepare a sharded checkpoint of the current step (every rank calls it
+    /// at the same step); nothing without a checkpoint directory or for replicated state.
+    fn prepare_sharded(&mut self, group: &mut Group<'_>) -> Result<(), StepError> {
+        if self.checkpoints.is_none() {
+            return Ok(());
+        }
+        match self.strategy.checkpoint_plan(group.world_size()) {
+            CheckpointPlan::Sharded(_) => self.strategy.prepare_checkpoint(group),
+            CheckpointPlan::Replicated => Ok(()),
+        }
+    }
+
+    /// The checkpoint of the current state this rank writes, or `None` when it writes none.
+    fn snapshot(
+        &self,
+        plan: &CheckpointPlan,
+        world_size: usize,
+    ) -> Result<Option<Snapshot>, TrainError> {
+        let rank = self.rank();
+        let layout = match plan {
+            CheckpointPlan::Replicated if rank != 0 => return Ok(None),
+            CheckpointPlan::Replicated => Layout::Replicated,
+            CheckpointPlan::Sharded(layout) => layout.clone(),
+        };
+        let mut snap = checkpoint::loop_snapshot(self.step, &self.sampler, world_size, layout);
+        self.strategy
+            .checkpoint(&mut snap)
+            .map_err(|e| self.step_err(e))?;
+        if rank == 0 {
+            checkpoint::insert_sampler(&mut snap, &self.sampler, rank)?;
+        }
+        Ok(Some(snap))
+    }
+
+    /// Starts a background checkpoint of the current state.
+    fn checkpoint_async(
+        &mut self,
+        store: &Arc<dyn Store>,
+        group: &Group<'_>,
+    ) -> Result<(), TrainError> {
+        let Some(ck) = &self.checkpoints else {
+            return Ok(());
+        };
+        if ck.last() == Some(self.step) {
+            return Ok(());
+        }
+        let plan = self.strategy.checkpoint_plan(group.world_size());
+        let Some(snap) = self.snapshot(&plan, group.world_size())? else {
+            return Ok(());
+        };
+        let coord = match plan {
+            CheckpointPlan::Sharded(_) => Some(checkpoint::coordinator(
+                store,
+                group.generation(),
+                group.rank(),
+                group.world_size(),
+                self.options.bootstrap_timeout,
+            )?),
+            CheckpointPlan::Replicated => None,
+        };
+        if let Some(ck) = &mut self.checkpoints {
+            let step = snap.state.step;
+            match coord {
+                Some(coord) => ck.save_sharded_async(snap, coord),
+                None => ck.save_async(snap),
+            }
+            self.metrics.save_started(step, &ck.writer());
+        }
+        Ok(())
+    }
+
+    /// Every rank of the group writes its shard of the current state now.
+    fn checkpoint_sharded_now(
+        &mut self,
+        store: &Arc<dyn Store>,
+        group: &Group<'_>,
+    ) -> Result<Option<u64>, TrainError> {
+        if self.checkpoints.is_none() {
+            return Ok(None);
+        }
+        let plan = self.strategy.checkpoint_plan(group.world_size());
+        let Some(snap) = self.snapshot(&plan, group.world_size())? else {
+            return Ok(None);
+        };
+        let coord = checkpoint::coordinator(
+            store,
+            group.generation(),
+            group.rank(),
+            group.world_size(),
+            self.options.bootstrap_timeout,
+        )?;
+        match &mut self.checkpoints {
+            Some(ck) => ck.save_sharded_now(&snap, &coord).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Commits a checkpoint of replicated state now (this rank writes all of it).
+    fn checkpoint_replicated_now(&mut self) -> Result<Option<u64>, TrainError> {
+        let world_size = self.env.assignment.world_size;
+        let plan = self.strategy.checkpoint_plan(world_size);
+        if self.checkpoints.is_none() || plan != CheckpointPlan::Replicated {
+            return Ok(None);
+        }
+        let layout = Layout::Replicated;
+        let mut snap = checkpoint::loop_snapshot(self.step, &self.sampler, world_size, layout);
+        self.strategy
+            .checkpoint(&mut snap)
+            .map_err(|e| self.step_err(e))?;
+        checkpoint::insert_sampler(&mut snap, &self.sampler, self.rank())?;
+        match &mut self.checkpoints {
+            Some(ck) => ck.save_now(&snap).map(Some),
+            None => Ok(None),
+        }
     }
 
     fn summary(&self, end: RunEnd) -> RunSummary {
@@ -862,47 +1037,53 @@ impl Trainer {
             resumed_from: self.resumed_from,
             groups_formed: self.groups_formed,
             steps_discarded: self.steps_discarded,
-            last_checkpoint: self.last_checkpoint,
+            last_checkpoint: self.checkpoints.as_ref().and_then(Checkpoints::last),
         }
     }
 
+    /// Every step is done: rank 0 commits the final checkpoint of replicated state (sharded
+    /// state was written by the group together).
     fn finish(&mut self, max_steps: u64) -> Result<RunSummary, TrainError> {
-        let world_size = self.env.assignment.world_size;
         if self.rank() == 0 && self.step >= max_steps {
-            self.checkpoint_now(world_size)?;
-        } else if let Some(ck) = &self.checkpoints {
-            if let Err(e) = ck.flush(Duration::from_secs(600)) {
-                tracing::warn!(error = %e, "the checkpoint in flight failed");
-            }
+            self.checkpoint_replicated_now()?;
         }
+        if let Some(ck) = &self.checkpoints {
+            ck.flush();
+            self.metrics.observe(&ck.writer());
+        }
+        self.metrics.at_step(self.step);
+        self.metrics.flush();
         if let Some(p) = &self.progress {
             p.finish();
         }
         Ok(self.summary(RunEnd::Finished))
     }
 
+    /// Step 6, **preemption**: local rank 0 of each node commits a checkpoint of replicated
+    /// state (a node with its own disk keeps one); the save in flight is waited for.
     fn preempt(&mut self, signal: i32) -> Result<RunSummary, TrainError> {
-        let world_size = self.env.assignment.world_size;
         let saved = if self.env.local_rank == 0 && self.has_state {
-            self.checkpoint_now(world_size)?
+            self.checkpoint_replicated_now()?
         } else {
-            if let Some(ck) = &self.checkpoints {
-                if let Err(e) = ck.flush(Duration::from_secs(600)) {
-                    tracing::warn!(error = %e, "the checkpoint in flight failed");
-                }
-            }
             None
         };
+        if let Some(ck) = &self.checkpoints {
+            ck.flush();
+            self.metrics.observe(&ck.writer());
+        }
+        self.metrics.at_step(self.step);
+        self.metrics.flush();
         if let Some(p) = &self.progress {
             p.finish();
         }
+        let saved = saved.or_else(|| self.checkpoints.as_ref().and_then(Checkpoints::last));
         eprintln!(
             "rekindle: rank {}: stopping on signal {signal} at step {}{}",
             self.rank(),
             self.step,
             match saved {
-                Some(s) => format!("; checkpoint step-{s} committed"),
-                None => String::new(),
+                Some(s) if s == self.step => format!("; checkpoint step-{s} committed"),
+                _ => String::new(),
             }
         );
         Ok(self.summary(RunEnd::Preempted { signal }))

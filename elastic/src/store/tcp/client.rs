@@ -1,14 +1,16 @@
-//! The embedded store's client: requests multiplexed over one TCP connection.
+//! The embedded store's client: requests multiplexed over one authenticated TCP connection.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use rekindle_runtime::secret::JobSecret;
 use rekindle_runtime::store::{CasOutcome, Store, StoreError, StoreResult};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::sync::{mpsc, oneshot};
 
+use super::auth::{self, Direction, HandshakeError};
 use super::protocol::{
     decode_response, encode_request, response_error, Request, Response, MAX_FRAME,
 };
@@ -29,9 +31,12 @@ struct Conn {
 ///
 /// Requests from many threads share one connection and do not wait for each other (a long
 /// `wait` does not delay a `set`). A broken connection fails the requests in flight with
-/// [`StoreError::Connection`]; the next request reconnects.
+/// [`StoreError::Connection`]; the next request reconnects. Each connection first proves that
+/// this client holds the job secret and checks that the server does too; a server that refuses
+/// the secret, or cannot prove it holds it, is a [`StoreError::Unauthorized`].
 pub struct TcpStoreClient {
     endpoint: String,
+    secret: JobSecret,
     op_timeout: Duration,
     next_id: AtomicU64,
     conn: Mutex<Option<Arc<Conn>>>,
@@ -47,20 +52,27 @@ impl std::fmt::Debug for TcpStoreClient {
 }
 
 impl TcpStoreClient {
-    /// Connects to `endpoint` (`host:port`) with [`DEFAULT_OP_TIMEOUT`].
-    pub fn connect(endpoint: &str) -> StoreResult<Self> {
-        Self::connect_with_timeout(endpoint, DEFAULT_OP_TIMEOUT)
+    /// Connects to `endpoint` (`host:port`) as a holder of `secret`, with
+    /// [`DEFAULT_OP_TIMEOUT`].
+    pub fn connect(endpoint: &str, secret: &JobSecret) -> StoreResult<Self> {
+        Self::connect_with_timeout(endpoint, secret, DEFAULT_OP_TIMEOUT)
     }
 
-    /// Connects to `endpoint`; connecting and each non-waiting request are bounded by
-    /// `op_timeout` (a `wait` by its own timeout plus `op_timeout`).
-    pub fn connect_with_timeout(endpoint: &str, op_timeout: Duration) -> StoreResult<Self> {
+    /// Connects to `endpoint` as a holder of `secret`; connecting (handshake included) and
+    /// each non-waiting request are bounded by `op_timeout` (a `wait` by its own timeout plus
+    /// `op_timeout`). The built-in default secret is refused for a server off loopback.
+    pub fn connect_with_timeout(
+        endpoint: &str,
+        secret: &JobSecret,
+        op_timeout: Duration,
+    ) -> StoreResult<Self> {
         let rt = IoRuntime::new("rekindle-store-cli", 1).map_err(|e| StoreError::Backend {
             op: "connect",
             reason: format!("cannot start the client runtime: {e}"),
         })?;
         let client = TcpStoreClient {
             endpoint: endpoint.to_string(),
+            secret: secret.clone(),
             op_timeout,
             next_id: AtomicU64::new(1),
             conn: Mutex::new(None),
@@ -90,22 +102,31 @@ impl TcpStoreClient {
             }
         }
         let endpoint = self.endpoint.clone();
+        let secret = self.secret.clone();
         // The server may not be up yet (workers of other nodes start at the same time as the
         // agent that hosts it): refused connections are retried until the timeout.
-        let stream =
+        let connected =
             self.rt
                 .call(
                     async move {
                         let mut backoff = Duration::from_millis(10);
-                        loop {
+                        let mut stream = loop {
                             match tokio::net::TcpStream::connect(&endpoint).await {
                                 Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
                                     tokio::time::sleep(backoff).await;
                                     backoff = (backoff * 2).min(Duration::from_millis(500));
                                 }
-                                other => return other,
+                                Err(e) => return Err(HandshakeError::Io(e.to_string())),
+                                Ok(s) => break s,
+                            }
+                        };
+                        if let Ok(peer) = stream.peer_addr() {
+                            if let Err(e) = secret.check_exposure(&[peer.ip()]) {
+                                return Err(HandshakeError::Exposed(e.to_string()));
                             }
                         }
+                        let session = auth::connect(&mut stream, &secret).await?;
+                        Ok((stream, session))
                     },
                     Instant::now() + self.op_timeout,
                 )
@@ -113,20 +134,33 @@ impl TcpStoreClient {
                     CallError::Timeout => self
                         .connection_error(format!("connect timed out after {:?}", self.op_timeout)),
                     CallError::Shutdown => StoreError::Closed,
-                })?
-                .map_err(|e| self.connection_error(e.to_string()))?;
+                })?;
+        let (stream, session) = connected.map_err(|e| match e {
+            HandshakeError::Refused(why) => StoreError::Unauthorized {
+                endpoint: self.endpoint.clone(),
+                reason: why.to_string(),
+            },
+            HandshakeError::Exposed(why) => StoreError::Backend {
+                op: "connect",
+                reason: why,
+            },
+            other => self.connection_error(other.to_string()),
+        })?;
         let _ = stream.set_nodelay(true);
         let handle = self.rt.handle().ok_or(StoreError::Closed)?;
+        let session = Arc::new(session);
         let (mut rd, mut wr) = stream.into_split();
         let (tx, mut rx) = mpsc::channel::<Vec<u8>>(256);
         let pending: Pending = Arc::default();
         let broken = Arc::new(AtomicBool::new(false));
         {
             let broken = broken.clone();
+            let session = session.clone();
             handle.spawn(async move {
+                let mut seq = 0u64;
                 while let Some(body) = rx.recv().await {
-                    let mut frame = (body.len() as u32).to_be_bytes().to_vec();
-                    frame.extend_from_slice(&body);
+                    let frame = auth::seal_frame(&session, Direction::Request, seq, &body);
+                    seq += 1;
                     if wr.write_all(&frame).await.is_err() {
                         broken.store(true, Ordering::Release);
                         break;
@@ -138,19 +172,25 @@ impl TcpStoreClient {
             let pending = pending.clone();
             let broken = broken.clone();
             handle.spawn(async move {
+                let mut seq = 0u64;
                 loop {
-                    let mut len = [0u8; 4];
-                    if rd.read_exact(&mut len).await.is_err() {
-                        break;
-                    }
-                    let len = u32::from_be_bytes(len) as usize;
-                    if len > MAX_FRAME {
-                        break;
-                    }
-                    let mut body = vec![0u8; len];
-                    if rd.read_exact(&mut body).await.is_err() {
-                        break;
-                    }
+                    let body = match auth::read_frame(
+                        &mut rd,
+                        &session,
+                        Direction::Response,
+                        seq,
+                        MAX_FRAME,
+                    )
+                    .await
+                    {
+                        Ok(b) => b,
+                        Err(auth::FrameError::Io(_)) => break,
+                        Err(e) => {
+                            tracing::warn!(reason = %e, "embedded store client: dropping the connection");
+                            break;
+                        }
+                    };
+                    seq += 1;
                     let Ok((id, resp)) = decode_response(&body) else {
                         break;
                     };
@@ -285,25 +325,32 @@ impl Store for TcpStoreClient {
 
 #[cfg(test)]
 mod tests {
-    use super::super::TcpStoreServer;
+    use super::super::{ServerError, TcpStoreServer};
     use super::*;
 
+    fn secret() -> JobSecret {
+        JobSecret::new("client tests").unwrap()
+    }
+
     fn server() -> TcpStoreServer {
-        TcpStoreServer::bind("127.0.0.1:0".parse().unwrap()).unwrap()
+        TcpStoreServer::bind("127.0.0.1:0".parse().unwrap(), &secret()).unwrap()
+    }
+
+    fn client(s: &TcpStoreServer) -> TcpStoreClient {
+        TcpStoreClient::connect(&s.local_addr().to_string(), &secret()).unwrap()
     }
 
     #[test]
     fn conforms() {
         let s = server();
-        let c = Arc::new(TcpStoreClient::connect(&s.local_addr().to_string()).unwrap());
-        rekindle_runtime::store::testing::conformance(c).unwrap();
+        rekindle_runtime::store::testing::conformance(Arc::new(client(&s))).unwrap();
     }
 
     #[test]
     fn two_clients_see_each_other_and_wait_is_woken() {
         let s = server();
-        let a = TcpStoreClient::connect(&s.local_addr().to_string()).unwrap();
-        let b = Arc::new(TcpStoreClient::connect(&s.local_addr().to_string()).unwrap());
+        let a = client(&s);
+        let b = Arc::new(client(&s));
         let waiter = {
             let b = b.clone();
             std::thread::spawn(move || {
@@ -322,7 +369,7 @@ mod tests {
         let rt = tokio::runtime::Runtime::new().unwrap();
         let addr = s.local_addr().to_string();
         rt.block_on(async move {
-            let c = TcpStoreClient::connect(&addr).unwrap();
+            let c = TcpStoreClient::connect(&addr, &secret()).unwrap();
             c.set("k", b"v").unwrap();
             assert_eq!(c.get("k").unwrap(), Some(b"v".to_vec()));
             drop(c);
@@ -333,7 +380,8 @@ mod tests {
     fn server_gone_is_a_connection_error() {
         let s = server();
         let addr = s.local_addr().to_string();
-        let c = TcpStoreClient::connect_with_timeout(&addr, Duration::from_secs(2)).unwrap();
+        let c =
+            TcpStoreClient::connect_with_timeout(&addr, &secret(), Duration::from_secs(2)).unwrap();
         c.set("k", b"v").unwrap();
         drop(s);
         let err = c.get("k").unwrap_err();
@@ -343,7 +391,43 @@ mod tests {
     #[test]
     fn bind_in_use_is_an_error() {
         let s = server();
-        let err = TcpStoreServer::bind(s.local_addr()).unwrap_err();
+        let err = TcpStoreServer::bind(s.local_addr(), &secret()).unwrap_err();
         assert!(err.to_string().contains("cannot bind"), "{err}");
+    }
+
+    #[test]
+    fn a_client_with_another_secret_is_unauthorized() {
+        let s = server();
+        let other = JobSecret::new("not the job's").unwrap();
+        let err = TcpStoreClient::connect(&s.local_addr().to_string(), &other).unwrap_err();
+        assert!(matches!(err, StoreError::Unauthorized { .. }), "{err:?}");
+        // The server counts the refusal as it closes, just after answering.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while s.refused_connections() != 1 {
+            assert!(Instant::now() < deadline, "the refusal was not counted");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    #[test]
+    fn the_default_secret_is_refused_off_loopback() {
+        let err = TcpStoreServer::bind(
+            "0.0.0.0:0".parse().unwrap(),
+            &JobSecret::default_single_host(),
+        )
+        .unwrap_err();
+        assert!(matches!(err, ServerError::Secret { .. }), "{err}");
+        assert!(err.to_string().contains("REKINDLE_SECRET_FILE"), "{err}");
+        let s = TcpStoreServer::bind(
+            "127.0.0.1:0".parse().unwrap(),
+            &JobSecret::default_single_host(),
+        )
+        .unwrap();
+        let c = TcpStoreClient::connect(
+            &s.local_addr().to_string(),
+            &JobSecret::default_single_host(),
+        )
+        .unwrap();
+        c.set("k", b"v").unwrap();
     }
 }

@@ -1,6 +1,8 @@
 //! The embedded store's wire format.
 //!
-//! Every message is a frame: a big-endian `u32` length, then that many bytes. A request body is
+//! Every message is a frame: a big-endian `u32` length, that many bytes of body, and the frame's
+//! MAC (see [`super::auth`], which also describes the handshake before the first frame). A
+//! request body is
 //! `u64 id`, `u8 op`, then the op's fields; a response body is `u64 id`, `u8 status`, then the
 //! payload. Strings and byte strings are a big-endian `u32` length and the bytes. Requests on
 //! one connection are independent: the server answers each as soon as it is done, so a long
@@ -8,8 +10,10 @@
 
 use rekindle_runtime::store::{CasOutcome, StoreError};
 
-/// The largest frame either side accepts (64 MiB): bigger frames mean a corrupt stream.
-pub const MAX_FRAME: usize = 64 << 20;
+/// The largest frame body either side accepts by default (16 MiB): the job's keys are
+/// addresses, ids and small records, so bigger frames mean a corrupt stream or a client that
+/// wants the server's memory.
+pub const MAX_FRAME: usize = 16 << 20;
 
 /// A request.
 #[derive(Debug, Clone, PartialEq)]

@@ -1,15 +1,19 @@
-//! The embedded store's server: a map in memory served over TCP on tokio.
+//! The embedded store's server: a map in memory served over TCP on tokio, to holders of the
+//! job secret only (see [`super::auth`]), with bounded frames and connections.
 
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, TcpListener as StdListener};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use rekindle_runtime::secret::JobSecret;
 use rekindle_runtime::store::CasOutcome;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
-use tokio::sync::{mpsc, Notify};
+use tokio::sync::{mpsc, Notify, OwnedSemaphorePermit, Semaphore};
 
+use super::auth::{self, Direction};
 use super::protocol::{decode_request, encode_response, Request, Response, MAX_FRAME};
 use crate::io_runtime::IoRuntime;
 
@@ -27,6 +31,45 @@ pub enum ServerError {
     /// The runtime could not be started.
     #[error("cannot start the embedded store's runtime: {0}")]
     Runtime(std::io::Error),
+    /// The built-in default secret would serve an address off loopback.
+    #[error("the embedded store at {addr}: {source}")]
+    Secret {
+        /// The address it was to listen on.
+        addr: SocketAddr,
+        /// The refusal.
+        source: rekindle_runtime::Error,
+    },
+}
+
+/// The server's bounds: what a client, authenticated or not, can make it hold.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerLimits {
+    /// Connections open at once, authenticated or still in the handshake; more are closed
+    /// as soon as they are accepted. Default 4096.
+    pub max_connections: usize,
+    /// Connections still in the handshake at once (a stranger can hold at most these, each
+    /// for at most `handshake_timeout`). Default 128.
+    pub max_handshakes: usize,
+    /// How long a client has to complete the handshake. Default 5 s.
+    pub handshake_timeout: Duration,
+    /// The largest request body accepted; a bigger one closes the connection. Default
+    /// [`MAX_FRAME`] (16 MiB).
+    pub max_frame: usize,
+    /// Requests of one connection being served at once; the server reads no more from that
+    /// connection until one is answered. Default 1024.
+    pub max_in_flight: usize,
+}
+
+impl Default for ServerLimits {
+    fn default() -> Self {
+        ServerLimits {
+            max_connections: 4096,
+            max_handshakes: 128,
+            handshake_timeout: Duration::from_secs(5),
+            max_frame: MAX_FRAME,
+            max_in_flight: 1024,
+        }
+    }
 }
 
 #[derive(Default)]
@@ -146,17 +189,25 @@ impl Shared {
 
 /// The embedded store server. It serves until dropped; dropping it closes every connection.
 ///
+/// Every connection must first prove that it holds the job secret (an HMAC handshake over
+/// fresh nonces, as [`TcpStoreClient`](crate::store::TcpStoreClient) does it), and every frame
+/// after that carries a MAC; a connection that fails either is closed before any request of it
+/// is served.
+///
 /// ```
 /// use rekindle_elastic::store::{TcpStoreClient, TcpStoreServer};
+/// use rekindle_runtime::secret::JobSecret;
 /// use rekindle_runtime::store::Store;
 ///
-/// let server = TcpStoreServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
-/// let client = TcpStoreClient::connect(&server.local_addr().to_string()).unwrap();
+/// let secret = JobSecret::new("job secret").unwrap();
+/// let server = TcpStoreServer::bind("127.0.0.1:0".parse().unwrap(), &secret).unwrap();
+/// let client = TcpStoreClient::connect(&server.local_addr().to_string(), &secret).unwrap();
 /// client.set("k", b"v").unwrap();
 /// assert_eq!(client.get("k").unwrap(), Some(b"v".to_vec()));
 /// ```
 pub struct TcpStoreServer {
     addr: SocketAddr,
+    refused: Arc<AtomicU64>,
     _rt: IoRuntime,
 }
 
@@ -168,10 +219,33 @@ impl std::fmt::Debug for TcpStoreServer {
     }
 }
 
+/// What every connection task shares.
+struct Context {
+    shared: Shared,
+    secret: JobSecret,
+    limits: ServerLimits,
+    handshakes: Arc<Semaphore>,
+    refused: Arc<AtomicU64>,
+}
+
 impl TcpStoreServer {
-    /// Binds `addr` (port 0 picks a free port; see [`TcpStoreServer::local_addr`]) and starts
-    /// serving. An address in use is a [`ServerError::Bind`], never a silent fallback.
-    pub fn bind(addr: SocketAddr) -> Result<Self, ServerError> {
+    /// Binds `addr` (port 0 picks a free port; see [`TcpStoreServer::local_addr`]) and serves
+    /// the holders of `secret` with the default [`ServerLimits`]. An address in use is a
+    /// [`ServerError::Bind`], never a silent fallback; the built-in default secret on an
+    /// address off loopback is a [`ServerError::Secret`].
+    pub fn bind(addr: SocketAddr, secret: &JobSecret) -> Result<Self, ServerError> {
+        Self::bind_with(addr, secret, ServerLimits::default())
+    }
+
+    /// [`TcpStoreServer::bind`] with explicit limits.
+    pub fn bind_with(
+        addr: SocketAddr,
+        secret: &JobSecret,
+        limits: ServerLimits,
+    ) -> Result<Self, ServerError> {
+        secret
+            .check_exposure(&[addr.ip()])
+            .map_err(|source| ServerError::Secret { addr, source })?;
         let std_listener =
             StdListener::bind(addr).map_err(|source| ServerError::Bind { addr, source })?;
         let local = std_listener
@@ -190,13 +264,36 @@ impl TcpStoreServer {
             tokio::net::TcpListener::from_std(std_listener)
                 .map_err(|source| ServerError::Bind { addr, source })?
         };
-        let shared = Arc::new(Shared::default());
+        let refused = Arc::new(AtomicU64::new(0));
+        let connections = Arc::new(Semaphore::new(limits.max_connections));
+        let ctx = Arc::new(Context {
+            shared: Shared::default(),
+            secret: secret.clone(),
+            handshakes: Arc::new(Semaphore::new(limits.max_handshakes)),
+            limits,
+            refused: refused.clone(),
+        });
         handle.spawn(async move {
+            let mut warned_at: Option<Instant> = None;
             loop {
                 match listener.accept().await {
-                    Ok((stream, _)) => {
+                    Ok((stream, peer)) => {
+                        let permits = connections
+                            .clone()
+                            .try_acquire_owned()
+                            .ok()
+                            .zip(ctx.handshakes.clone().try_acquire_owned().ok());
+                        let Some((conn, handshake)) = permits else {
+                            ctx.refused.fetch_add(1, Ordering::Relaxed);
+                            if warned_at.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) {
+                                tracing::warn!(%peer, "embedded store: too many connections; closing new ones");
+                                warned_at = Some(Instant::now());
+                            }
+                            drop(stream);
+                            continue;
+                        };
                         let _ = stream.set_nodelay(true);
-                        tokio::spawn(serve_connection(stream, shared.clone()));
+                        tokio::spawn(serve_connection(stream, peer, ctx.clone(), conn, handshake));
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, "embedded store: accept failed");
@@ -208,6 +305,7 @@ impl TcpStoreServer {
         });
         Ok(TcpStoreServer {
             addr: local,
+            refused,
             _rt: rt,
         })
     }
@@ -216,45 +314,89 @@ impl TcpStoreServer {
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
     }
+
+    /// Connections closed so far without being served: failed handshakes, forged or
+    /// oversized frames, and connections over the limits.
+    pub fn refused_connections(&self) -> u64 {
+        self.refused.load(Ordering::Relaxed)
+    }
 }
 
-async fn serve_connection(stream: TcpStream, shared: Arc<Shared>) {
+async fn serve_connection(
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    ctx: Arc<Context>,
+    _conn: OwnedSemaphorePermit,
+    handshake: OwnedSemaphorePermit,
+) {
+    let session = match tokio::time::timeout(
+        ctx.limits.handshake_timeout,
+        auth::accept(&mut stream, &ctx.secret),
+    )
+    .await
+    {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
+            ctx.refused.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(%peer, reason = %e, "embedded store: connection refused");
+            return;
+        }
+        Err(_) => {
+            ctx.refused.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(%peer, "embedded store: no handshake within the deadline; closing");
+            return;
+        }
+    };
+    drop(handshake);
+    let session = Arc::new(session);
     let (mut rd, mut wr) = stream.into_split();
     let (tx, mut rx) = mpsc::channel::<Vec<u8>>(256);
-    let writer = tokio::spawn(async move {
-        while let Some(body) = rx.recv().await {
-            let mut frame = (body.len() as u32).to_be_bytes().to_vec();
-            frame.extend_from_slice(&body);
-            if wr.write_all(&frame).await.is_err() {
+    let writer = {
+        let session = session.clone();
+        tokio::spawn(async move {
+            let mut seq = 0u64;
+            while let Some(body) = rx.recv().await {
+                let frame = auth::seal_frame(&session, Direction::Response, seq, &body);
+                seq += 1;
+                if wr.write_all(&frame).await.is_err() {
+                    break;
+                }
+            }
+        })
+    };
+    let in_flight = Arc::new(Semaphore::new(ctx.limits.max_in_flight.max(1)));
+    let mut seq = 0u64;
+    loop {
+        let body = match auth::read_frame(
+            &mut rd,
+            &session,
+            Direction::Request,
+            seq,
+            ctx.limits.max_frame,
+        )
+        .await
+        {
+            Ok(b) => b,
+            Err(auth::FrameError::Io(_)) => break,
+            Err(e) => {
+                ctx.refused.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(%peer, reason = %e, "embedded store: closing the connection");
                 break;
             }
-        }
-    });
-    loop {
-        let mut len = [0u8; 4];
-        if rd.read_exact(&mut len).await.is_err() {
+        };
+        seq += 1;
+        let Ok(permit) = in_flight.clone().acquire_owned().await else {
             break;
-        }
-        let len = u32::from_be_bytes(len) as usize;
-        if len > MAX_FRAME {
-            tracing::warn!(
-                len,
-                "embedded store: frame too large, closing the connection"
-            );
-            break;
-        }
-        let mut body = vec![0u8; len];
-        if rd.read_exact(&mut body).await.is_err() {
-            break;
-        }
-        let shared = shared.clone();
+        };
+        let ctx = ctx.clone();
         let tx = tx.clone();
         tokio::spawn(async move {
             let (id, resp) = match decode_request(&body) {
-                Ok((id, req)) => (id, shared.handle(req).await),
+                Ok((id, req)) => (id, ctx.shared.handle(req).await),
                 Err((id, why)) => (id, Response::BadRequest(why)),
             };
             let _ = tx.send(encode_response(id, &resp)).await;
+            drop(permit);
         });
     }
     drop(tx);

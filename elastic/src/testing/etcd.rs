@@ -1,7 +1,8 @@
-//! A real etcd server for tests and benchmarks (feature `test-etcd`).
+//! A real etcd server for tests and benchmarks.
 //!
 //! [`EtcdServer::start`] runs `/usr/bin/etcd` (or `$REKINDLE_ETCD_BIN`) on 127.0.0.1 with a
-//! fresh temp data dir and stops it (kill, then wait) when dropped.
+//! fresh temp data dir and stops it (kill, then wait) when dropped; [`EtcdServer::start_in`]
+//! runs it on a host of its own in a [`Network`](super::netns::Network).
 //!
 //! etcd cannot be told to listen on port 0 and report the port it got, so the ports are chosen
 //! the only way left: bind two listeners on port 0, note their ports, close them, and start
@@ -11,7 +12,7 @@
 //! requests"), not polled.
 
 use std::io::{BufRead, BufReader};
-use std::net::TcpListener;
+use std::net::{IpAddr, Ipv4Addr, TcpListener};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
@@ -54,6 +55,8 @@ pub enum EtcdServerError {
 /// A running etcd server that is stopped on drop.
 pub struct EtcdServer {
     child: Option<Child>,
+    addr: IpAddr,
+    netns: Option<String>,
     client_port: u16,
     peer_port: u16,
     data_dir: tempfile::TempDir,
@@ -72,23 +75,41 @@ fn etcd_bin() -> String {
     std::env::var("REKINDLE_ETCD_BIN").unwrap_or_else(|_| "/usr/bin/etcd".to_string())
 }
 
-fn two_free_ports() -> std::io::Result<(u16, u16)> {
-    let a = TcpListener::bind("127.0.0.1:0")?;
-    let b = TcpListener::bind("127.0.0.1:0")?;
+fn two_free_ports(addr: IpAddr) -> std::io::Result<(u16, u16)> {
+    let a = TcpListener::bind((addr, 0))?;
+    let b = TcpListener::bind((addr, 0))?;
     Ok((a.local_addr()?.port(), b.local_addr()?.port()))
 }
 
 impl EtcdServer {
-    /// Starts etcd on free ports with a temp data dir and waits until it serves clients.
+    /// Starts etcd on free ports of 127.0.0.1 with a temp data dir and waits until it serves
+    /// clients.
     pub fn start() -> Result<Self, EtcdServerError> {
+        Self::start_on(IpAddr::V4(Ipv4Addr::LOCALHOST), None)
+    }
+
+    /// Starts etcd inside the network namespace `ns`, listening on `addr` (an address of
+    /// that namespace), on ports that are free there.
+    pub fn start_in(ns: &super::netns::Netns, addr: Ipv4Addr) -> Result<Self, EtcdServerError> {
+        Self::start_on(IpAddr::V4(addr), Some(ns))
+    }
+
+    fn start_on(addr: IpAddr, ns: Option<&super::netns::Netns>) -> Result<Self, EtcdServerError> {
         let mut data_dir = tempfile::Builder::new()
             .prefix("rekindle-etcd-")
             .tempdir()?;
         let mut last = None;
         for _ in 0..START_ATTEMPTS {
-            let (client_port, peer_port) = two_free_ports()?;
+            let (client_port, peer_port) = match ns {
+                None => two_free_ports(addr)?,
+                Some(ns) => ns
+                    .run(|| two_free_ports(addr))
+                    .map_err(|e| std::io::Error::other(e.to_string()))??,
+            };
             let mut server = EtcdServer {
                 child: None,
+                addr,
+                netns: ns.map(|n| n.name().to_string()),
                 client_port,
                 peer_port,
                 data_dir,
@@ -136,9 +157,17 @@ impl EtcdServer {
 
     fn spawn(&mut self) -> Result<(), EtcdServerError> {
         let bin = etcd_bin();
-        let client = format!("http://127.0.0.1:{}", self.client_port);
-        let peer = format!("http://127.0.0.1:{}", self.peer_port);
-        let mut child = Command::new(&bin)
+        let client = format!("http://{}", self.endpoint());
+        let peer = format!("http://{}:{}", self.addr, self.peer_port);
+        let mut cmd = match &self.netns {
+            None => Command::new(&bin),
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns]).arg(&bin);
+                c
+            }
+        };
+        let mut child = cmd
             .arg("--name")
             .arg("default")
             .arg("--data-dir")
@@ -217,9 +246,19 @@ impl EtcdServer {
             .join("\n")
     }
 
-    /// The client endpoint, `127.0.0.1:port`.
+    /// The client endpoint, `address:port` (`127.0.0.1:port` unless started in a namespace).
     pub fn endpoint(&self) -> String {
-        format!("127.0.0.1:{}", self.client_port)
+        format!("{}:{}", self.addr, self.client_port)
+    }
+
+    /// The network namespace etcd runs in, if any.
+    pub fn netns(&self) -> Option<&str> {
+        self.netns.as_deref()
+    }
+
+    /// etcd's pid while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
     }
 
     /// The data dir.
