@@ -1,2 +1,3 @@
 //! Shared helpers of the example programs.
 pub mod mlp;
+pub mod pipeline_mlp;

@@ -91,7 +91,7 @@ impl MlpConfig {
     }
 
     /// Every layer's (inputs, outputs).
-    fn layers(&self) -> Vec<(usize, usize)> {
+    pub fn layers(&self) -> Vec<(usize, usize)> {
         let mut dims = vec![self.input];
         dims.extend(&self.hidden);
         dims.push(self.classes);
@@ -102,6 +102,49 @@ impl MlpConfig {
     pub fn param_count(&self) -> usize {
         self.layers().iter().map(|(i, o)| i * o + o).sum()
     }
+}
+
+/// The initial weight (`outputs x inputs`, row-major) and bias of layer `k` (0-based) of an
+/// [`Mlp`] seeded with `seed`: uniform in `+-1/sqrt(inputs)` like torch's `nn.Linear`, from
+/// streams `2k` and `2k + 1` of the seed's generator.
+pub fn linear_init(seed: u64, k: usize, inputs: usize, outputs: usize) -> (Vec<f32>, Vec<f32>) {
+    let bound = 1.0 / (inputs as f32).sqrt();
+    (
+        uniform(&mut rng(seed, 2 * k as u64), outputs * inputs, bound),
+        uniform(&mut rng(seed, 2 * k as u64 + 1), outputs, bound),
+    )
+}
+
+/// Layer `k` (0-based) of an [`Mlp`]: the variables `fc{k+1}.weight` (outputs x inputs) and
+/// `fc{k+1}.bias` in `varmap` (which must not hold them yet), on `device`, initialised like
+/// torch's `nn.Linear` (uniform in `+-1/sqrt(inputs)`) from a ChaCha8 generator keyed by `seed`,
+/// one stream per parameter ([`linear_init`]). A model split over devices builds each layer on
+/// its own device and still has exactly the parameters of the unsplit [`Mlp`].
+pub fn seeded_linear(
+    varmap: &VarMap,
+    k: usize,
+    inputs: usize,
+    outputs: usize,
+    seed: u64,
+    device: &Device,
+) -> Result<Linear> {
+    let mut data = varmap
+        .data()
+        .lock()
+        .map_err(|_| anyhow::anyhow!("the VarMap's lock is poisoned"))?;
+    let (w, b) = linear_init(seed, k, inputs, outputs);
+    let mut make = |name: String, shape: &[usize], values: Vec<f32>| -> Result<Tensor> {
+        if data.contains_key(&name) {
+            bail!("the VarMap already holds {name:?}");
+        }
+        let var = Var::from_tensor(&Tensor::from_vec(values, shape, device)?)?;
+        let t = var.as_tensor().clone();
+        data.insert(name, var);
+        Ok(t)
+    };
+    let w = make(format!("fc{}.weight", k + 1), &[outputs, inputs], w)?;
+    let b = make(format!("fc{}.bias", k + 1), &[outputs], b)?;
+    Ok(Linear::new(w, Some(b)))
 }
 
 /// A ReLU MLP whose layers are `fc1`, `fc2`, ... with parameters `fcK.weight` (outputs x
@@ -116,32 +159,12 @@ impl Mlp {
     /// torch's `nn.Linear` (weights and biases uniform in `+-1/sqrt(inputs)`) from a ChaCha8
     /// generator keyed by `seed`, one stream per parameter.
     pub fn new(config: &MlpConfig, varmap: &VarMap, seed: u64, device: &Device) -> Result<Self> {
-        let mut data = varmap
-            .data()
-            .lock()
-            .map_err(|_| anyhow::anyhow!("the VarMap's lock is poisoned"))?;
-        let mut layers = Vec::new();
-        for (k, (inputs, outputs)) in config.layers().into_iter().enumerate() {
-            let bound = 1.0 / (inputs as f32).sqrt();
-            let mut make = |name: String, shape: &[usize], stream: u64| -> Result<Tensor> {
-                if data.contains_key(&name) {
-                    bail!("the VarMap already holds {name:?}");
-                }
-                let n = shape.iter().product();
-                let values = uniform(&mut rng(seed, stream), n, bound);
-                let var = Var::from_tensor(&Tensor::from_vec(values, shape, device)?)?;
-                let t = var.as_tensor().clone();
-                data.insert(name, var);
-                Ok(t)
-            };
-            let w = make(
-                format!("fc{}.weight", k + 1),
-                &[outputs, inputs],
-                2 * k as u64,
-            )?;
-            let b = make(format!("fc{}.bias", k + 1), &[outputs], 2 * k as u64 + 1)?;
-            layers.push(Linear::new(w, Some(b)));
-        }
+        let layers = config
+            .layers()
+            .into_iter()
+            .enumerate()
+            .map(|(k, (inputs, outputs))| seeded_linear(varmap, k, inputs, outputs, seed, device))
+            .collect::<Result<Vec<_>>>()?;
         Ok(Mlp { layers })
     }
 

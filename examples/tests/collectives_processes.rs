@@ -2,18 +2,25 @@
 //! result against closed-form values and exits non-zero on any wrong element.
 
 use std::process::Command;
+use std::time::Duration;
+
+use rekindle_elastic::testing::{run, Finished};
+
+/// Runs `collectives_perf args...` to its end (at most five minutes).
+fn collectives_perf(args: &[&str]) -> Finished {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_collectives_perf"));
+    cmd.args(args);
+    run(cmd, Duration::from_secs(300)).expect("running collectives_perf")
+}
 
 fn perf(args: &[&str]) {
-    let out = Command::new(env!("CARGO_BIN_EXE_collectives_perf"))
-        .args(args)
-        .output()
-        .expect("running collectives_perf");
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let out = collectives_perf(args);
+    let stdout = &out.stdout;
     assert!(
-        out.status.success(),
-        "collectives_perf {args:?} failed: {}\n{stdout}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
+        out.success(),
+        "collectives_perf {args:?} failed: exit code {}\n{stdout}\n{}",
+        out.code,
+        out.stderr
     );
     // Every row reports zero wrong elements.
     let rows: Vec<&str> = stdout
@@ -86,15 +93,9 @@ fn every_reduction_across_processes() {
 
 #[test]
 fn bad_flags_are_errors() {
-    let out = Command::new(env!("CARGO_BIN_EXE_collectives_perf"))
-        .args(["--op", "all_shuffle"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown --op"));
-    let out = Command::new(env!("CARGO_BIN_EXE_collectives_perf"))
-        .args(["-b", "12Q"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
+    let out = collectives_perf(&["--op", "all_shuffle"]);
+    assert!(!out.success());
+    assert!(out.stderr.contains("unknown --op"));
+    let out = collectives_perf(&["-b", "12Q"]);
+    assert!(!out.success());
 }

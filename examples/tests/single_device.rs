@@ -3,7 +3,10 @@
 //! and the checkpoints it leaves.
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Command;
+use std::time::Duration;
+
+use rekindle_elastic::testing::Finished as Output;
 
 use rekindle_runtime::Device;
 use rekindle_storage::{CheckpointDir, LoadOptions, Snapshot};
@@ -23,27 +26,29 @@ const SMALL: &[&str] = &[
     "7",
 ];
 
+/// The longest one run may take.
+const T: Duration = Duration::from_secs(300);
+
 /// Runs the binary in `cwd` with the small configuration plus `extra`, with no CUDA visible so
 /// the result is the same on every machine.
 fn run(cwd: &Path, extra: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_single_device"))
-        .args(SMALL)
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_single_device"));
+    cmd.args(SMALL)
         .args(extra)
         .current_dir(cwd)
-        .env("CUDA_VISIBLE_DEVICES", "")
-        .output()
-        .expect("the single_device binary starts")
+        .env("CUDA_VISIBLE_DEVICES", "");
+    rekindle_elastic::testing::run(cmd, T).expect("the single_device binary runs")
 }
 
 fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
+    out.stderr.clone()
 }
 
 /// Checks that the run succeeded and printed exactly one `final_step=N params_sha256=H` line;
 /// returns (N, H).
 fn finished(out: &Output) -> (u64, String) {
-    assert!(out.status.success(), "run failed:\n{}", stderr(out));
-    let stdout = String::from_utf8(out.stdout.clone()).unwrap();
+    assert!(out.success(), "run failed:\n{}", stderr(out));
+    let stdout = out.stdout.clone();
     let lines: Vec<&str> = stdout.lines().collect();
     assert_eq!(lines.len(), 1, "stdout: {stdout:?}");
     let (step, sha) = lines[0]
@@ -58,7 +63,7 @@ fn finished(out: &Output) -> (u64, String) {
 /// Checks that the run failed with a non-zero exit, printed nothing on stdout, and said
 /// `needle` (case-insensitively) on stderr.
 fn failed(out: &Output, needle: &str) {
-    assert!(!out.status.success(), "run succeeded:\n{}", stderr(out));
+    assert!(!out.success(), "run succeeded:\n{}", stderr(out));
     assert!(out.stdout.is_empty(), "stdout: {:?}", out.stdout);
     let err = stderr(out);
     assert!(
@@ -340,14 +345,13 @@ fn the_device_choice_is_logged_and_cuda_without_cuda_is_an_error() {
     // As run on this machine, without hiding anything: auto says why it chose what it chose,
     // and an explicit CUDA request fails unless CUDA is both present and compiled in.
     let plain = |extra: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_single_device"))
-            .args(SMALL)
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_single_device"));
+        cmd.args(SMALL)
             .args(["--steps", "1"])
             .args(extra)
             .current_dir(tmp.path())
-            .env_remove("CUDA_VISIBLE_DEVICES")
-            .output()
-            .unwrap()
+            .env_remove("CUDA_VISIBLE_DEVICES");
+        rekindle_elastic::testing::run(cmd, T).unwrap()
     };
     let log = stderr(&plain(&[]));
     let usable =

@@ -23,11 +23,13 @@ struct Args {
     /// Number of tensors the state is split into.
     #[arg(long, default_value_t = 64)]
     tensors: usize,
-    /// Directory to write into (default: a temp dir under the current directory's filesystem
-    /// root, /var/tmp).
+    /// Directory to write into (default: /var/tmp). Without `--keep` the benchmark works in a
+    /// temporary directory inside it and removes it at the end.
     #[arg(long)]
     dir: Option<PathBuf>,
-    /// Leave the last checkpoint written in the directory.
+    /// Leave the last checkpoint written: with `--dir D`, D itself is the checkpoint
+    /// directory (`D/step-N`, so `rekindle ckpt verify D` checks it; D must hold no
+    /// checkpoint yet); without `--dir`, a directory under /var/tmp that is printed.
     #[arg(long)]
     keep: bool,
     /// Write the figures as JSON to this file.
@@ -36,6 +38,52 @@ struct Args {
     /// Repetitions of each measurement (the median is reported).
     #[arg(long, default_value_t = 3)]
     repeat: usize,
+}
+
+/// Where the benchmark writes: a temporary directory removed at the end, or a directory
+/// that stays.
+enum Root {
+    Temp(tempfile::TempDir),
+    Kept(PathBuf),
+}
+
+impl Root {
+    fn open(dir: Option<&Path>, keep: bool) -> Result<Root> {
+        let base = dir.unwrap_or(Path::new("/var/tmp"));
+        std::fs::create_dir_all(base).with_context(|| format!("creating {}", base.display()))?;
+        match (dir, keep) {
+            (Some(d), true) => {
+                let taken: Vec<String> = std::fs::read_dir(d)?
+                    .filter_map(|e| e.ok())
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .filter(|n| n.starts_with("step-"))
+                    .collect();
+                if !taken.is_empty() {
+                    bail!(
+                        "--keep --dir {}: it already holds checkpoints ({}); give an empty or new \
+                         directory",
+                        d.display(),
+                        taken.join(", ")
+                    );
+                }
+                Ok(Root::Kept(d.to_path_buf()))
+            }
+            (None, true) => Ok(Root::Kept(
+                tempfile::Builder::new()
+                    .prefix("ckpt_bench-")
+                    .tempdir_in(base)?
+                    .keep(),
+            )),
+            (_, false) => Ok(Root::Temp(tempfile::tempdir_in(base)?)),
+        }
+    }
+
+    fn path(&self) -> &Path {
+        match self {
+            Root::Temp(t) => t.path(),
+            Root::Kept(p) => p,
+        }
+    }
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -112,17 +160,7 @@ fn main() -> Result<()> {
     if args.tensors == 0 || args.size_mib == 0 || args.repeat == 0 {
         bail!("--size-mib, --tensors and --repeat must be at least 1");
     }
-    let tmp;
-    let root = match &args.dir {
-        Some(d) => {
-            std::fs::create_dir_all(d)?;
-            tempfile::tempdir_in(d)?
-        }
-        None => {
-            tmp = PathBuf::from("/var/tmp");
-            tempfile::tempdir_in(&tmp)?
-        }
-    };
+    let root = Root::open(args.dir.as_deref(), args.keep)?;
     let bytes = (args.size_mib as f64) * (1u64 << 20) as f64;
     let gbps = |secs: f64| bytes / secs / 1e9;
 
@@ -265,9 +303,12 @@ fn main() -> Result<()> {
     if let Some(p) = &args.json {
         std::fs::write(p, serde_json::to_string_pretty(&json)? + "\n")?;
     }
-    if args.keep {
-        let kept = root.keep();
-        println!("kept {}", kept.join(format!("step-{step}")).display());
+    if let Root::Kept(dir) = &root {
+        println!(
+            "kept {} (check it with: rekindle ckpt verify {})",
+            dir.join(format!("step-{step}")).display(),
+            dir.display()
+        );
     }
     Ok(())
 }

@@ -7,7 +7,9 @@
 //! the slowest rank's time; bandwidths are in GB/s; busbw uses nccl-tests' factors
 //! (all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all, scatter, gather (n-1)/n;
 //! broadcast, reduce 1). `size` is the largest buffer of the operation (the gathered output,
-//! the scattered input). `-c 1` checks every result against closed-form values.
+//! the scattered input). `-c 1` checks every result against closed-form values. `--no-shm`
+//! moves every byte over TCP; `--wire mac|encrypt` (or `REKINDLE_WIRE`) chooses how TCP frames
+//! are sealed; `--csv` rows record both (`transport`, `wire` columns).
 
 use std::io::Write;
 use std::process::{Command, Stdio};
@@ -19,7 +21,7 @@ use clap::Parser;
 use rekindle_runtime::collectives::check::{reduce_expected, reduce_input, value};
 use rekindle_runtime::store::{FileStore, Store};
 use rekindle_runtime::{
-    segment, Buffer, DType, GroupConfig, JobSecret, ProcessGroup, ReduceOp, TcpOptions,
+    segment, Buffer, DType, GroupConfig, JobSecret, ProcessGroup, ReduceOp, TcpOptions, WireMode,
 };
 
 #[derive(Parser, Debug, Clone)]
@@ -74,6 +76,10 @@ struct Args {
     /// Shared-memory ring size per direction, in bytes.
     #[arg(long, value_parser = parse_size)]
     ring: Option<usize>,
+    /// How TCP frames are protected: `mac` (authenticated, the default) or `encrypt`
+    /// (AES-256-GCM). Frames through shared-memory rings are never sealed.
+    #[arg(long, env = "REKINDLE_WIRE", default_value = "mac")]
+    wire: WireMode,
     /// Pin rank r (and the threads it starts) to CPU r mod the number of CPUs this process may
     /// use, so ring neighbours sit on different cores when ranks outnumber cores.
     #[arg(long)]
@@ -361,6 +367,7 @@ fn rank_main(args: Args, rank: usize) -> Result<()> {
     if let Some(r) = args.ring {
         opts.shm_ring_bytes = r;
     }
+    opts.wire = Some(args.wire);
     let cfg = GroupConfig {
         job: "collectives-perf".into(),
         round: 0,
@@ -390,7 +397,7 @@ fn rank_main(args: Args, rank: usize) -> Result<()> {
             if !exists {
                 writeln!(
                     f,
-                    "op,nranks,size,count,type,redop,time_us,algbw_gbps,busbw_gbps,wrong"
+                    "op,nranks,size,count,type,redop,time_us,algbw_gbps,busbw_gbps,wrong,transport,wire"
                 )?;
             }
             Some(f)
@@ -400,8 +407,8 @@ fn rank_main(args: Args, rank: usize) -> Result<()> {
     for op in ops {
         if rank == 0 {
             println!(
-                "# {op}  nranks {world}  dtype {dtype}  redop {redop}  iters {}  warmup {}",
-                args.iters, args.warmup
+                "# {op}  nranks {world}  dtype {dtype}  redop {redop}  iters {}  warmup {}  wire {}",
+                args.iters, args.warmup, args.wire
             );
             println!(
                 "{:>12} {:>12} {:>6} {:>10} {:>8} {:>8} {:>7}",
@@ -479,7 +486,8 @@ fn rank_main(args: Args, rank: usize) -> Result<()> {
                     wrong_s
                 );
                 if let Some(f) = csv.as_mut() {
-                    writeln!(f, "{op},{world},{},{count},{dtype},{redop},{:.2},{algbw:.4},{busbw:.4},{wrong}", bytes as usize, t * 1e6)?;
+                    let transport = if args.no_shm { "tcp" } else { "shm" };
+                    writeln!(f, "{op},{world},{},{count},{dtype},{redop},{:.2},{algbw:.4},{busbw:.4},{wrong},{transport},{}", bytes as usize, t * 1e6, args.wire)?;
                 }
             }
             if wrong > 0 {

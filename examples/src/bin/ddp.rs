@@ -70,6 +70,15 @@ struct Args {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    // The runtime's warnings (a connection refused for a wrong secret, a checkpoint that
+    // failed) go to stderr; `REKINDLE_LOG` sets the filter.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("REKINDLE_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
     let local_world: usize = std::env::var("LOCAL_WORLD_SIZE")
         .ok()
         .and_then(|v| v.parse().ok())

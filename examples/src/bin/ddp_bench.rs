@@ -1,6 +1,8 @@
 //! DDP overhead: the step time of an MLP trained with DDP on N ranks (separate processes, one
 //! batch per rank) divided by a single process's step time for one such batch, with the same
-//! compute threads per process.
+//! compute threads per process. Beside it, at the same global batch (N batches per step): one
+//! process on one device, one process with DataParallel over N CPU replicas (a thread each),
+//! and DDP, as samples per second.
 //!
 //! ```text
 //! cargo run --release -p rekindle-examples --bin ddp_bench -- --ranks 2 --threads 1 --csv ddp.csv
@@ -25,6 +27,7 @@ use clap::{Parser, ValueEnum};
 use rekindle_examples::mlp::{named_vars, params_sha256, Mlp, MlpConfig, TeacherDataset};
 use rekindle_runtime::ddp::{Ddp, DdpOptions, StepMode};
 use rekindle_runtime::optim::{specs_of, step_vars, Optimizer, Sgd, SgdConfig};
+use rekindle_runtime::parallel::DataParallel;
 use rekindle_runtime::sampler::{ElasticConfig, ElasticSampler};
 use rekindle_runtime::store::{FileStore, Store};
 use rekindle_runtime::{GroupConfig, JobSecret, ProcessGroup, TcpOptions};
@@ -37,6 +40,8 @@ enum Role {
     Single,
     /// One DDP rank.
     Rank,
+    /// One process, DataParallel over `--ranks` CPU replicas.
+    Dp,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -177,6 +182,10 @@ fn main() -> Result<()> {
             println!("{}", rank(&args)?.encode());
             Ok(())
         }
+        Role::Dp => {
+            println!("{}", data_parallel(&args)?.encode());
+            Ok(())
+        }
     }
 }
 
@@ -268,6 +277,13 @@ fn coordinate(args: &Args) -> Result<()> {
     if ranks.iter().any(|t| t.sha != ranks[0].sha) {
         bail!("the ranks finished with different parameters");
     }
+    // The same global batch in one process: on one device, and with DataParallel.
+    let global_args = Args {
+        batch: args.batch * args.ranks,
+        ..args.clone()
+    };
+    let single_global = collect(spawn(&global_args, "single", 0, None)?, "single-process")?;
+    let dp = collect(spawn(args, "dp", 0, None)?, "data-parallel")?;
 
     // A DDP step ends when the slowest rank's does: the per-step maximum over ranks.
     let steps = args.steps;
@@ -336,11 +352,90 @@ fn coordinate(args: &Args) -> Result<()> {
         "loss {:.4} -> {:.4} (ddp rank 0); peer: torch DDP + Gloo 1.26x (31.9 ms vs 25.3 ms); goal <= 1.10x",
         ranks[0].first_loss, ranks[0].last_loss
     );
+    let global = (args.batch * args.ranks) as f64;
+    let per_s = |ms: f64| global / (ms / 1e3);
+    let one = per_s(median(&single_global.steps_ms));
+    println!(
+        "\nsame global batch ({} samples per step), {} thread(s) per replica or process:",
+        args.batch * args.ranks,
+        args.threads
+    );
+    println!(
+        "{:<18} {:>8} {:>10} {:>12} {:>9}",
+        "run", "devices", "median ms", "samples/s", "vs one"
+    );
+    csv.push_str("\nrun,devices,global_batch,threads,median_ms,samples_per_s,speedup\n");
+    for (name, n, steps_ms) in [
+        ("one-device", 1, &single_global.steps_ms),
+        ("data-parallel", args.ranks, &dp.steps_ms),
+        ("ddp", args.ranks, &ddp_steps),
+    ] {
+        let med = median(steps_ms);
+        let sps = per_s(med);
+        println!(
+            "{name:<18} {n:>8} {med:>10.2} {sps:>12.0} {:>9.3}",
+            sps / one
+        );
+        csv.push_str(&format!(
+            "{name},{n},{},{},{med:.3},{sps:.1},{:.4}\n",
+            args.batch * args.ranks,
+            args.threads,
+            sps / one
+        ));
+    }
+    println!("goal: data-parallel over 2 CPU replicas >= 1.6x one device");
     if let Some(path) = &args.csv {
         std::fs::write(path, csv).with_context(|| format!("writing {}", path.display()))?;
         println!("wrote {}", path.display());
     }
     Ok(())
+}
+
+/// One process, DataParallel over `--ranks` CPU replicas at the global batch; the optimizer
+/// updates the first replica's variables in place, as in the single-process baseline.
+fn data_parallel(args: &Args) -> Result<Timing> {
+    let cfg = MlpConfig::parse(&args.layers)?;
+    let dp = DataParallel::new(vec![Device::Cpu; args.ranks], |vm: &VarMap, d: &Device| {
+        Mlp::new(&cfg, vm, args.seed, d)
+    })?;
+    let data = TeacherDataset::new(300_000, cfg.input, cfg.classes, args.seed)?;
+    let mut named: Vec<(String, candle_core::Var)> = named_vars(dp.varmap())?.into_iter().collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut opt = sgd(specs_of(&named))?;
+    let vars: Vec<candle_core::Var> = named.into_iter().map(|(_, v)| v).collect();
+    let global = args.batch * args.ranks;
+    let mut sampler = ElasticSampler::new(ElasticConfig::new(data.len(), global).seed(args.seed))?;
+    let mut steps_ms = Vec::new();
+    let mut sync_ms = Vec::new();
+    let mut losses = Vec::new();
+    for step in 0..args.warmup + args.steps {
+        if sampler.epoch_done() {
+            sampler.set_epoch(sampler.epoch() + 1);
+        }
+        let planned = sampler.plan().context("an epoch has at least one step")?;
+        let batch = data.batch(planned.indices(), &Device::Cpu)?;
+        let t0 = Instant::now();
+        let out = dp.forward_backward(&batch.x, &batch.y, |m, x, y| {
+            m.loss(x, y)
+                .map_err(|e| candle_core::Error::Msg(e.to_string()))
+        })?;
+        let t1 = Instant::now();
+        step_vars(&mut opt, &vars, &out.grads)?;
+        let t2 = Instant::now();
+        sampler.commit(&planned)?;
+        losses.push(out.loss);
+        if step >= args.warmup {
+            steps_ms.push((t2 - t0).as_secs_f64() * 1e3);
+            sync_ms.push((t2 - t1).as_secs_f64() * 1e3);
+        }
+    }
+    Ok(Timing {
+        steps_ms,
+        sync_ms,
+        first_loss: losses.first().copied().unwrap_or(f32::NAN),
+        last_loss: losses.last().copied().unwrap_or(f32::NAN),
+        sha: params_sha256(dp.varmap())?,
+    })
 }
 
 fn percentile_of(v: &[f64], p: f64) -> f64 {
