@@ -3,7 +3,7 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use rekindle_chaos_tests::{field, Proc};
+use rekindle_elastic::testing::{field, Proc};
 
 fn peer(store: &std::path::Path, rank: usize, world: usize, extra: &[&str]) -> Proc {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_collective_peer"));
@@ -25,7 +25,7 @@ fn start(world: usize, extra: &[&str]) -> (tempfile::TempDir, Vec<Proc>) {
     for (r, p) in procs.iter_mut().enumerate() {
         // Running collectives proves the group formed and every rank is in the loop.
         let got = p.wait_line(Duration::from_secs(60), |l| l == "iter 3");
-        assert!(got.is_some(), "rank {r} never reached iter 3: {:?}", p.seen);
+        assert!(got.is_ok(), "rank {r} never reached iter 3: {}", p.output());
     }
     (dir, procs)
 }
@@ -39,7 +39,7 @@ fn sigkilled_rank_fails_every_survivor_naming_it() {
         for (r, p) in procs.iter_mut().enumerate().filter(|(r, _)| *r != victim) {
             let line = p
                 .wait_line(Duration::from_secs(30), |l| l.starts_with("error"))
-                .unwrap_or_else(|| panic!("rank {r} did not fail: {:?}", p.seen));
+                .unwrap_or_else(|_| panic!("rank {r} did not fail: {}", p.output()));
             let detected = killed_at.elapsed();
             assert_eq!(field(&line, "kind"), Some("peer_lost"), "rank {r}: {line}");
             assert_eq!(
@@ -53,7 +53,7 @@ fn sigkilled_rank_fails_every_survivor_naming_it() {
                 "rank {r} took {detected:?}"
             );
             eprintln!("world {world}: rank {r} saw the kill of rank {victim} after {detected:?}");
-            assert_eq!(p.wait_exit(Duration::from_secs(10)), Some(3));
+            assert_eq!(p.wait_exit(Duration::from_secs(10)).ok(), Some(3));
         }
     }
 }
@@ -67,7 +67,7 @@ fn sigstopped_rank_is_caught_by_the_op_deadline() {
         let p = &mut procs[r];
         let line = p
             .wait_line(Duration::from_secs(30), |l| l.starts_with("error"))
-            .unwrap_or_else(|| panic!("rank {r} did not fail: {:?}", p.seen));
+            .unwrap_or_else(|_| panic!("rank {r} did not fail: {}", p.output()));
         let kind = field(&line, "kind");
         assert!(
             matches!(kind, Some("timeout") | Some("peer_lost")),
@@ -94,6 +94,10 @@ fn a_finished_job_exits_cleanly_on_every_rank() {
         .map(|r| peer(dir.path(), r, 3, &["--iters", "50"]))
         .collect();
     for (r, p) in procs.iter_mut().enumerate() {
-        assert_eq!(p.wait_exit(Duration::from_secs(60)), Some(0), "rank {r}");
+        assert_eq!(
+            p.wait_exit(Duration::from_secs(60)).ok(),
+            Some(0),
+            "rank {r}"
+        );
     }
 }

@@ -6,8 +6,9 @@ use std::path::Path;
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
-use rekindle_chaos_tests::{final_fingerprint, kill, rank_pid, workspace_bin, Job};
+use rekindle_chaos_tests::rank_pid;
 use rekindle_elastic::testing::EtcdServer;
+use rekindle_elastic::testing::{kill, run, workspace_bin, Proc};
 
 const T: Duration = Duration::from_secs(120);
 const STEPS: u64 = 1500;
@@ -43,12 +44,24 @@ fn rekindle() -> std::path::PathBuf {
     workspace_bin("rekindle").unwrap()
 }
 
+/// `rekindle args...`, its output read line by line.
+fn spawn(args: &[String]) -> Proc {
+    let mut cmd = std::process::Command::new(rekindle());
+    cmd.args(args);
+    Proc::spawn(cmd).unwrap()
+}
+
+/// The job's `final_step=<N> params_sha256=<hex>` line as `(N, hex)`.
+fn final_fingerprint(job: &Proc) -> Option<(u64, String)> {
+    rekindle_elastic::testing::final_fingerprint(job).map(|f| (f.step, f.sha256))
+}
+
 fn strings(v: &[&str]) -> Vec<String> {
     v.iter().map(|s| s.to_string()).collect()
 }
 
 /// `rekindle run --standalone --nproc-per-node N [agent args] ddp [model args] [extra]`.
-fn standalone(nproc: usize, agent: &[&str], extra: &[String], logs: &Path) -> Job {
+fn standalone(nproc: usize, agent: &[&str], extra: &[String], logs: &Path) -> Proc {
     let mut args = strings(&["run", "--standalone", "--nproc-per-node"]);
     args.push(nproc.to_string());
     args.extend(strings(&["--log-dir", logs.to_str().unwrap()]));
@@ -56,7 +69,7 @@ fn standalone(nproc: usize, agent: &[&str], extra: &[String], logs: &Path) -> Jo
     args.push(ddp());
     args.extend(model_args(STEPS));
     args.extend(extra.iter().cloned());
-    Job::spawn(&rekindle(), &args, &[]).unwrap()
+    spawn(&args)
 }
 
 fn step_line(at_least: u64) -> impl Fn(&str) -> bool {
@@ -78,7 +91,7 @@ fn reference(nproc: usize) -> String {
     }
     let logs = tempfile::tempdir().unwrap();
     let mut job = standalone(nproc, &[], &[], logs.path());
-    assert_eq!(job.wait_exit(T), Some(0), "{}", job.output());
+    assert_eq!(job.wait_exit(T).ok(), Some(0), "{}", job.output());
     let (step, f) = final_fingerprint(&job).expect("a final_step line");
     assert_eq!(step, STEPS);
     c.push((nproc, f.clone()));
@@ -97,10 +110,10 @@ fn kill_rank_and_compare(nproc: usize, victim: usize) {
     ]);
     let mut job = standalone(nproc, &["--max-restarts", "3"], &extra, logs.path());
     job.wait_line(T, step_line(100))
-        .unwrap_or_else(|| panic!("no progress:\n{}", job.output()));
+        .unwrap_or_else(|_| panic!("no progress:\n{}", job.output()));
     let pid = rank_pid(&job, victim).expect("the victim's pid");
     kill(pid, libc::SIGKILL);
-    assert_eq!(job.wait_exit(T), Some(0), "{}", job.output());
+    assert_eq!(job.wait_exit(T).ok(), Some(0), "{}", job.output());
     let out = job.output();
     assert!(
         out.contains(&format!("restarting rank {victim} alone")),
@@ -141,10 +154,10 @@ fn sigterm_commits_a_checkpoint_and_the_next_run_resumes_there() {
     let extra = strings(&["--checkpoint-dir", ck.path().to_str().unwrap()]);
     let mut job = standalone(2, &["--grace-period", "30"], &extra, logs.path());
     job.wait_line(T, step_line(100))
-        .unwrap_or_else(|| panic!("no progress:\n{}", job.output()));
+        .unwrap_or_else(|_| panic!("no progress:\n{}", job.output()));
     job.signal(libc::SIGTERM);
     assert_eq!(
-        job.wait_exit(T),
+        job.wait_exit(T).ok(),
         Some(128 + libc::SIGTERM),
         "{}",
         job.output()
@@ -165,7 +178,7 @@ fn sigterm_commits_a_checkpoint_and_the_next_run_resumes_there() {
     assert!(dir_has_step(ck.path(), saved));
 
     let mut resumed = standalone(2, &[], &extra, logs.path());
-    assert_eq!(resumed.wait_exit(T), Some(0), "{}", resumed.output());
+    assert_eq!(resumed.wait_exit(T).ok(), Some(0), "{}", resumed.output());
     let out = resumed.output();
     assert!(
         out.contains(&format!("resumed from step {saved}")),
@@ -197,18 +210,18 @@ fn a_whole_job_killed_resumes_from_the_newest_checkpoint() {
     ]);
     let mut job = standalone(2, &[], &extra, logs.path());
     job.wait_line(T, step_line(450))
-        .unwrap_or_else(|| panic!("no progress:\n{}", job.output()));
+        .unwrap_or_else(|_| panic!("no progress:\n{}", job.output()));
     let workers = [rank_pid(&job, 0).unwrap(), rank_pid(&job, 1).unwrap()];
+    wait_for_checkpoint(ck.path(), 400);
     // Every process of the job at once, as a lost machine would.
-    kill(job.pid() as i32, libc::SIGKILL);
+    kill(job.pid(), libc::SIGKILL);
     for pid in workers {
         kill(pid, libc::SIGKILL);
     }
-    assert_eq!(job.wait_exit(T), None);
-    assert!(dir_has_step(ck.path(), 400), "checkpoint 400 exists");
+    assert_eq!(job.wait_exit(T).ok(), Some(128 + libc::SIGKILL));
 
     let mut resumed = standalone(2, &[], &extra, logs.path());
-    assert_eq!(resumed.wait_exit(T), Some(0), "{}", resumed.output());
+    assert_eq!(resumed.wait_exit(T).ok(), Some(0), "{}", resumed.output());
     let out = resumed.output();
     let from: u64 = out
         .lines()
@@ -228,13 +241,13 @@ fn free_port() -> u16 {
         .port()
 }
 
-fn node(args: &[String], logs: &Path) -> Job {
+fn node(args: &[String], logs: &Path) -> Proc {
     let mut all = strings(&["run", "--nproc-per-node", "1", "--log-dir"]);
     all.push(logs.to_str().unwrap().to_string());
     all.extend(args.iter().cloned());
     all.push(ddp());
     all.extend(model_args(STEPS));
-    Job::spawn(&rekindle(), &all, &[]).unwrap()
+    spawn(&all)
 }
 
 #[test]
@@ -256,13 +269,13 @@ fn two_static_nodes_train_like_one_node_with_two_ranks() {
     };
     let mut a = node(&static_args("0"), logs.path());
     let mut b = node(&static_args("1"), logs.path());
-    assert_eq!(a.wait_exit(T), Some(0), "{}", a.output());
-    assert_eq!(b.wait_exit(T), Some(0), "{}", b.output());
+    assert_eq!(a.wait_exit(T).ok(), Some(0), "{}", a.output());
+    assert_eq!(b.wait_exit(T).ok(), Some(0), "{}", b.output());
     assert_eq!(final_fingerprint(&a).unwrap(), (STEPS, expected));
 }
 
 /// The two nodes' jobs, rank 0's node first (each worker prints its rank when it starts).
-fn rank0_first<'a>(a: &'a mut Job, b: &'a mut Job) -> (&'a mut Job, &'a mut Job) {
+fn rank0_first<'a>(a: &'a mut Proc, b: &'a mut Proc) -> (&'a mut Proc, &'a mut Proc) {
     a.wait_line(T, |l| l.contains("] rank=")).unwrap();
     b.wait_line(T, |l| l.contains("] rank=")).unwrap();
     if rank_pid(a, 0).is_some() {
@@ -272,7 +285,7 @@ fn rank0_first<'a>(a: &'a mut Job, b: &'a mut Job) -> (&'a mut Job, &'a mut Job)
     }
 }
 
-fn etcd_node(etcd: &str, job: &str, nnodes: &str, logs: &Path) -> Job {
+fn etcd_node(etcd: &str, job: &str, nnodes: &str, logs: &Path) -> Proc {
     node(
         &strings(&[
             "--rdzv-backend",
@@ -304,14 +317,14 @@ fn two_etcd_nodes_train_like_one_node_and_a_killed_worker_rejoins() {
     let (leader, victim_job) = rank0_first(&mut a, &mut b);
     leader
         .wait_line(T, step_line(100))
-        .unwrap_or_else(|| panic!("no progress:\n{}", leader.output()));
+        .unwrap_or_else(|_| panic!("no progress:\n{}", leader.output()));
     let pid = rank_pid(victim_job, 1).expect("rank 1's pid");
     kill(pid, libc::SIGKILL);
     victim_job
         .wait_line(T, |l| l.contains("restarting rank 1 alone"))
-        .unwrap_or_else(|| panic!("no restart:\n{}", victim_job.output()));
-    assert_eq!(a.wait_exit(T), Some(0), "{}", a.output());
-    assert_eq!(b.wait_exit(T), Some(0), "{}", b.output());
+        .unwrap_or_else(|_| panic!("no restart:\n{}", victim_job.output()));
+    assert_eq!(a.wait_exit(T).ok(), Some(0), "{}", a.output());
+    assert_eq!(b.wait_exit(T).ok(), Some(0), "{}", b.output());
     let f = final_fingerprint(&a)
         .or_else(|| final_fingerprint(&b))
         .expect("rank 0 printed the fingerprint");
@@ -324,12 +337,12 @@ fn a_node_added_mid_run_is_taken_in_without_restarting_the_first() {
     let logs = tempfile::tempdir().unwrap();
     let mut a = etcd_node(&etcd.endpoint(), "grow", "1:2", logs.path());
     a.wait_line(T, step_line(200))
-        .unwrap_or_else(|| panic!("no progress:\n{}", a.output()));
+        .unwrap_or_else(|_| panic!("no progress:\n{}", a.output()));
     let mut b = etcd_node(&etcd.endpoint(), "grow", "1:2", logs.path());
     a.wait_line(T, |l| l.contains("re-formed into round"))
-        .unwrap_or_else(|| panic!("no re-formation:\n{}", a.output()));
-    assert_eq!(a.wait_exit(T), Some(0), "{}", a.output());
-    assert_eq!(b.wait_exit(T), Some(0), "{}", b.output());
+        .unwrap_or_else(|_| panic!("no re-formation:\n{}", a.output()));
+    assert_eq!(a.wait_exit(T).ok(), Some(0), "{}", a.output());
+    assert_eq!(b.wait_exit(T).ok(), Some(0), "{}", b.output());
     let out = format!("{}\n{}", a.output(), b.output());
     assert!(
         out.contains(": 2 rank(s), state of step"),
@@ -350,12 +363,12 @@ fn a_hung_rank_is_replaced_after_the_deadline_and_the_result_is_unchanged() {
     let extra = strings(&["--op-timeout", "2"]);
     let mut job = standalone(2, &["--max-restarts", "3"], &extra, logs.path());
     job.wait_line(T, step_line(100))
-        .unwrap_or_else(|| panic!("no progress:\n{}", job.output()));
+        .unwrap_or_else(|_| panic!("no progress:\n{}", job.output()));
     let pid = rank_pid(&job, 1).expect("rank 1's pid");
     kill(pid, libc::SIGSTOP);
     job.wait_line(T, |l| l.contains("stopped responding (reported by rank 0)"))
-        .unwrap_or_else(|| panic!("the silent rank was not named:\n{}", job.output()));
-    assert_eq!(job.wait_exit(T), Some(0), "{}", job.output());
+        .unwrap_or_else(|_| panic!("the silent rank was not named:\n{}", job.output()));
+    assert_eq!(job.wait_exit(T).ok(), Some(0), "{}", job.output());
     let out = job.output();
     assert!(out.contains("restarting rank 1 alone"), "{out}");
     assert_eq!(final_fingerprint(&job).unwrap(), (STEPS, expected));
@@ -370,10 +383,10 @@ fn a_preempted_node_checkpoints_and_leaves_while_the_other_goes_on() {
     let (stays, leaves) = rank0_first(&mut a, &mut b);
     stays
         .wait_line(T, step_line(100))
-        .unwrap_or_else(|| panic!("no progress:\n{}", stays.output()));
+        .unwrap_or_else(|_| panic!("no progress:\n{}", stays.output()));
     leaves.signal(libc::SIGTERM);
     assert_eq!(
-        leaves.wait_exit(T),
+        leaves.wait_exit(T).ok(),
         Some(128 + libc::SIGTERM),
         "{}",
         leaves.output()
@@ -385,8 +398,8 @@ fn a_preempted_node_checkpoints_and_leaves_while_the_other_goes_on() {
     );
     stays
         .wait_line(T, |l| l.contains("re-formed into round"))
-        .unwrap_or_else(|| panic!("no re-formation:\n{}", stays.output()));
-    assert_eq!(stays.wait_exit(T), Some(0), "{}", stays.output());
+        .unwrap_or_else(|_| panic!("no re-formation:\n{}", stays.output()));
+    assert_eq!(stays.wait_exit(T).ok(), Some(0), "{}", stays.output());
     let out = stays.output();
     assert!(out.contains(": 1 rank(s), state of step"), "{out}");
     assert_eq!(final_fingerprint(stays).map(|(s, _)| s), Some(STEPS));
@@ -401,15 +414,15 @@ fn a_lost_node_is_dropped_and_the_other_goes_on_at_the_smaller_size() {
     let (stays, lost) = rank0_first(&mut a, &mut b);
     stays
         .wait_line(T, step_line(100))
-        .unwrap_or_else(|| panic!("no progress:\n{}", stays.output()));
+        .unwrap_or_else(|_| panic!("no progress:\n{}", stays.output()));
     let worker = rank_pid(lost, 1).unwrap();
-    kill(lost.pid() as i32, libc::SIGKILL);
+    kill(lost.pid(), libc::SIGKILL);
     kill(worker, libc::SIGKILL);
-    assert_eq!(lost.wait_exit(T), None);
+    assert_eq!(lost.wait_exit(T).ok(), Some(128 + libc::SIGKILL));
     stays
         .wait_line(T, |l| l.contains("re-formed into round"))
-        .unwrap_or_else(|| panic!("no re-formation:\n{}", stays.output()));
-    assert_eq!(stays.wait_exit(T), Some(0), "{}", stays.output());
+        .unwrap_or_else(|_| panic!("no re-formation:\n{}", stays.output()));
+    assert_eq!(stays.wait_exit(T).ok(), Some(0), "{}", stays.output());
     let out = stays.output();
     assert!(out.contains(": 1 rank(s), state of step"), "{out}");
     assert!(!out.contains("stopping workers to re-form"), "{out}");
@@ -426,22 +439,22 @@ fn a_lost_node_is_waited_for_when_the_size_is_fixed_and_its_replacement_gets_the
     let (stays, lost) = rank0_first(&mut a, &mut b);
     stays
         .wait_line(T, step_line(100))
-        .unwrap_or_else(|| panic!("no progress:\n{}", stays.output()));
+        .unwrap_or_else(|_| panic!("no progress:\n{}", stays.output()));
     let worker = rank_pid(lost, 1).unwrap();
-    kill(lost.pid() as i32, libc::SIGKILL);
+    kill(lost.pid(), libc::SIGKILL);
     kill(worker, libc::SIGKILL);
-    assert_eq!(lost.wait_exit(T), None);
+    assert_eq!(lost.wait_exit(T).ok(), Some(128 + libc::SIGKILL));
     // The survivor's agent sees the node gone and waits for a second node.
     stays
         .wait_line(T, |l| l.contains("membership changed"))
-        .unwrap_or_else(|| panic!("the loss was not seen:\n{}", stays.output()));
+        .unwrap_or_else(|_| panic!("the loss was not seen:\n{}", stays.output()));
     let mut replacement = etcd_node(&etcd.endpoint(), "fixed", "2", logs.path());
     stays
         .wait_line(T, |l| l.contains("re-formed into round"))
-        .unwrap_or_else(|| panic!("no re-formation:\n{}", stays.output()));
-    assert_eq!(stays.wait_exit(T), Some(0), "{}", stays.output());
+        .unwrap_or_else(|_| panic!("no re-formation:\n{}", stays.output()));
+    assert_eq!(stays.wait_exit(T).ok(), Some(0), "{}", stays.output());
     assert_eq!(
-        replacement.wait_exit(T),
+        replacement.wait_exit(T).ok(),
         Some(0),
         "{}",
         replacement.output()
@@ -462,7 +475,7 @@ fn replacements_killed_while_they_join_still_end_with_the_fault_free_result() {
     let logs = tempfile::tempdir().unwrap();
     let mut job = standalone(2, &["--max-restarts", "5"], &[], logs.path());
     job.wait_line(T, step_line(100))
-        .unwrap_or_else(|| panic!("no progress:\n{}", job.output()));
+        .unwrap_or_else(|_| panic!("no progress:\n{}", job.output()));
     // Kill rank 1, then each replacement as soon as it says it started: during its
     // start-up, its joining, or its first steps.
     for kill_no in 1..=4 {
@@ -470,10 +483,10 @@ fn replacements_killed_while_they_join_still_end_with_the_fault_free_result() {
         kill(pid, libc::SIGKILL);
         if kill_no < 4 {
             job.next_line(T, |l| l.contains("] rank=1 pid="))
-                .unwrap_or_else(|| panic!("no replacement:\n{}", job.output()));
+                .unwrap_or_else(|_| panic!("no replacement:\n{}", job.output()));
         }
     }
-    assert_eq!(job.wait_exit(T), Some(0), "{}", job.output());
+    assert_eq!(job.wait_exit(T).ok(), Some(0), "{}", job.output());
     let out = job.output();
     assert!(out.contains("restart 4 of 5"), "{out}");
     assert_eq!(final_fingerprint(&job).unwrap(), (STEPS, expected));
@@ -487,16 +500,16 @@ fn with_etcd_losing_node_0_does_not_take_the_store_down() {
     let mut b = etcd_node(&etcd.endpoint(), "lose0", "1:2", logs.path());
     let (lost, stays) = rank0_first(&mut a, &mut b);
     lost.wait_line(T, step_line(100))
-        .unwrap_or_else(|| panic!("no progress:\n{}", lost.output()));
+        .unwrap_or_else(|_| panic!("no progress:\n{}", lost.output()));
     // Node 0 (the first node of the round, whose agent also serves MASTER_ADDR) goes away.
     let worker = rank_pid(lost, 0).unwrap();
-    kill(lost.pid() as i32, libc::SIGKILL);
+    kill(lost.pid(), libc::SIGKILL);
     kill(worker, libc::SIGKILL);
-    assert_eq!(lost.wait_exit(T), None);
+    assert_eq!(lost.wait_exit(T).ok(), Some(128 + libc::SIGKILL));
     stays
         .wait_line(T, |l| l.contains("re-formed into round"))
-        .unwrap_or_else(|| panic!("no re-formation:\n{}", stays.output()));
-    assert_eq!(stays.wait_exit(T), Some(0), "{}", stays.output());
+        .unwrap_or_else(|_| panic!("no re-formation:\n{}", stays.output()));
+    assert_eq!(stays.wait_exit(T).ok(), Some(0), "{}", stays.output());
     let out = stays.output();
     assert!(out.contains(": 1 rank(s), state of step"), "{out}");
     assert!(
@@ -515,16 +528,26 @@ fn bad_launcher_environment_is_a_clear_error() {
         (&[("RANK", "1"), ("WORLD_SIZE", "2")], "REKINDLE_STORE"),
     ];
     for (env, named) in cases {
-        let out = std::process::Command::new(ddp())
-            .args(model_args(10))
+        let mut cmd = std::process::Command::new(ddp());
+        cmd.args(model_args(10))
             .env_remove("REKINDLE_STORE")
-            .envs(env.iter().copied())
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{env:?}: {err}");
+            .envs(env.iter().copied());
+        let out = run(cmd, T).unwrap();
+        let err = &out.stderr;
+        assert_eq!(out.code, 1, "{env:?}: {err}");
         assert!(err.contains(named), "{env:?} should name {named}: {err}");
     }
+}
+
+/// Waits (up to `T`) until the checkpoint of `step` is committed under `dir`: checkpoints are
+/// written in the background, so on a loaded machine one may still be in flight some steps
+/// later.
+fn wait_for_checkpoint(dir: &Path, step: u64) {
+    let deadline = std::time::Instant::now() + T;
+    while !dir_has_step(dir, step) && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(dir_has_step(dir, step), "checkpoint {step} committed");
 }
 
 #[test]
@@ -540,13 +563,14 @@ fn a_corrupt_newest_checkpoint_is_skipped_and_the_result_is_unchanged() {
     ]);
     let mut job = standalone(2, &[], &extra, logs.path());
     job.wait_line(T, step_line(450))
-        .unwrap_or_else(|| panic!("no progress:\n{}", job.output()));
+        .unwrap_or_else(|_| panic!("no progress:\n{}", job.output()));
     let workers = [rank_pid(&job, 0).unwrap(), rank_pid(&job, 1).unwrap()];
-    kill(job.pid() as i32, libc::SIGKILL);
+    wait_for_checkpoint(ck.path(), 400);
+    kill(job.pid(), libc::SIGKILL);
     for pid in workers {
         kill(pid, libc::SIGKILL);
     }
-    assert_eq!(job.wait_exit(T), None);
+    assert_eq!(job.wait_exit(T).ok(), Some(128 + libc::SIGKILL));
     // Flip one byte in the middle of every tensor file of the newest checkpoint.
     let newest = (0..=STEPS)
         .rev()
@@ -568,7 +592,7 @@ fn a_corrupt_newest_checkpoint_is_skipped_and_the_result_is_unchanged() {
     assert!(flipped > 0, "no tensor file in {}", step_dir.display());
 
     let mut resumed = standalone(2, &[], &extra, logs.path());
-    assert_eq!(resumed.wait_exit(T), Some(0), "{}", resumed.output());
+    assert_eq!(resumed.wait_exit(T).ok(), Some(0), "{}", resumed.output());
     let out = resumed.output();
     assert!(
         out.contains(&format!("resumed from step {}", newest - 100)),

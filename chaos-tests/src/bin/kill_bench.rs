@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use rekindle_chaos_tests::{field, Proc};
+use rekindle_elastic::testing::{field, Proc};
 
 #[derive(Parser)]
 struct Args {
@@ -55,9 +55,9 @@ fn main() -> Result<()> {
         }
         for p in procs.iter_mut() {
             if p.wait_line(Duration::from_secs(60), |l| l == "iter 3")
-                .is_none()
+                .is_err()
             {
-                bail!("trial {trial}: a rank never started: {:?}", p.seen);
+                bail!("trial {trial}: a rank never started: {}", p.output());
             }
         }
         let t = Instant::now();
@@ -65,7 +65,7 @@ fn main() -> Result<()> {
         let mut worst = Duration::ZERO;
         for (r, p) in procs.iter_mut().enumerate().filter(|(r, _)| *r != victim) {
             match p.wait_line(Duration::from_secs(60), |l| l.starts_with("error")) {
-                Some(line)
+                Ok(line)
                     if field(&line, "kind") == Some("peer_lost")
                         && field(&line, "peer") == Some(victim.to_string().as_str()) =>
                 {

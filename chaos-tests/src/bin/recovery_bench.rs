@@ -21,8 +21,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, ValueEnum};
-use rekindle_chaos_tests::{kill, rank_pid, workspace_bin, Job};
+use rekindle_chaos_tests::rank_pid;
 use rekindle_elastic::testing::EtcdServer;
+use rekindle_elastic::testing::{kill, workspace_bin, Proc};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Backend {
@@ -87,8 +88,9 @@ fn last_step(path: &Path) -> Option<(u64, f64)> {
 }
 
 /// The `S` of the newest `generation G: ... state of step S` line with `G >= generation`.
-fn resumed_step(job: &Job, generation: u64) -> Option<(u64, u64)> {
-    job.seen.iter().rev().find_map(|l| {
+fn resumed_step(job: &Proc, generation: u64) -> Option<(u64, u64)> {
+    job.lines().iter().rev().find_map(|l| {
+        let l = &l.text;
         let g: u64 = l
             .split(" generation ")
             .nth(1)?
@@ -105,6 +107,15 @@ fn resumed_step(job: &Job, generation: u64) -> Option<(u64, u64)> {
             .ok()?;
         (g >= generation).then_some((g, s))
     })
+}
+
+/// Waits `d` between two looks at the loss CSV; an error once the job has exited.
+fn pause(job: &Proc, d: Duration) -> Result<()> {
+    if let Some(code) = job.try_exit() {
+        bail!("the job exited with code {code}:\n{}", job.output());
+    }
+    std::thread::sleep(d);
+    Ok(())
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -175,7 +186,9 @@ fn main() -> Result<()> {
         "--loss-csv".into(),
         loss.display().to_string(),
     ]);
-    let mut job = Job::spawn(&rekindle, &job_args, &[("REKINDLE_LOG", "warn")])?;
+    let mut cmd = std::process::Command::new(&rekindle);
+    cmd.args(&job_args).env("REKINDLE_LOG", "warn");
+    let mut job = Proc::spawn(cmd)?;
     let hang = Duration::from_secs_f64(args.hang_after);
     let mut kills: Vec<Kill> = Vec::new();
     let mut generation = 0u64;
@@ -189,7 +202,7 @@ fn main() -> Result<()> {
         // Wait for `gap` more completed steps.
         let deadline = Instant::now() + hang;
         loop {
-            job.next_line(Duration::from_millis(5), |_| false);
+            pause(&job, Duration::from_millis(5))?;
             if last_step(&loss).is_some_and(|(s, _)| s >= ready_at) {
                 break;
             }
@@ -208,7 +221,7 @@ fn main() -> Result<()> {
         let deadline = Instant::now() + hang;
         let mut recovered = None;
         while Instant::now() < deadline {
-            job.next_line(Duration::from_millis(2), |_| false);
+            pause(&job, Duration::from_millis(2))?;
             if let Some((g, s)) = resumed_step(&job, generation + 1) {
                 if let Some((_, t)) = rows(&loss)
                     .iter()
@@ -238,8 +251,7 @@ fn main() -> Result<()> {
             recovery_ms: ms,
         });
     }
-    job.signal(libc::SIGTERM);
-    job.wait_exit(Duration::from_secs(60));
+    job.stop(Duration::from_secs(60));
 
     let mut ms: Vec<f64> = kills.iter().map(|k| k.recovery_ms).collect();
     ms.sort_by(f64::total_cmp);
