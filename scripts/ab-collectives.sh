@@ -5,7 +5,11 @@
 # binary op ranks size busbw(GB/s), then the median and the best busbw per binary and case
 # (the best run is the one least disturbed by the machine's slow spells).
 # usage: scripts/ab-collectives.sh ROUNDS BIN_A BIN_B [BIN_C ...]
-# CASES (";"-separated "op ranks size"), ITERS and WARMUP override the defaults below.
+# CASES (";"-separated "op ranks size"), ITERS and WARMUP override the defaults below; ARGS
+# adds flags to every run (e.g. ARGS=--no-shm). To compare wire modes of one binary, give
+# wrapper scripts that set REKINDLE_WIRE (binaries without the flag ignore the variable):
+#   printf '#!/bin/sh\nREKINDLE_WIRE=encrypt exec %s "$@"\n' "$PWD/target/release/collectives_perf" >/tmp/perf-encrypt
+# The binary column shows each binary's file name, so give them distinct names.
 set -euo pipefail
 rounds=$1
 shift
@@ -23,7 +27,8 @@ for _ in $(seq "$rounds"); do
       read -r op n size <<<"$case"
       iters=${ITERS:-30}
       [ -z "${ITERS:-}" ] && [ "$size" = 256M ] && iters=15
-      busbw=$("$bin" --op "$op" --nranks "$n" -b "$size" -e "$size" -n "$iters" -w "$warmup" 2>&1 |
+      # shellcheck disable=SC2086 # ARGS is a list of flags
+      busbw=$("$bin" --op "$op" --nranks "$n" -b "$size" -e "$size" -n "$iters" -w "$warmup" ${ARGS:-} 2>&1 |
         grep -E '^ +[0-9]' | tail -1 | awk '{print $6}')
       echo "$(basename "$bin") $op $n $size $busbw" | tee -a "$runs"
     done

@@ -20,5 +20,6 @@ for op in reduce reduce_scatter scatter gather all_to_all sendrecv; do
   done
 done
 $perf --op all_reduce --nranks 2 -b 1M -e 256M -f 4 -n 10 -w 3 --no-shm --csv "$out"
+$perf --op all_reduce --nranks 2 -b 1M -e 256M -f 4 -n 10 -w 3 --no-shm --wire encrypt --csv "$out"
 ./target/release/kill_bench --world 2 --trials 20 --csv docs/data/kill_detect.csv
 ./target/release/kill_bench --world 4 --trials 20
