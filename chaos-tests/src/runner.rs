@@ -46,6 +46,8 @@ pub struct Options {
     pub hang_after: Duration,
     /// The longest a whole run may take.
     pub run_timeout: Duration,
+    /// Where to write the job's whole log (every line of every node, with its time).
+    pub log: Option<std::path::PathBuf>,
 }
 
 impl Options {
@@ -57,6 +59,7 @@ impl Options {
             mode: NetMode::detect(),
             hang_after: Duration::from_secs(60),
             run_timeout: Duration::from_secs(600),
+            log: None,
         }
     }
 }
@@ -554,6 +557,21 @@ pub fn run(
             format!("left: {shm:?}")
         },
     ));
+    if let Some(path) = &opts.log {
+        let text: String = r
+            .cluster
+            .log()
+            .iter()
+            .map(|l| format!("{:.3} [node {}] {}\n", r.cluster.secs(l.at), l.node, l.text))
+            .collect();
+        if let Err(e) = std::fs::write(path, text) {
+            checks.push(Check::new(
+                "log-written",
+                false,
+                format!("cannot write {}: {e}", path.display()),
+            ));
+        }
+    }
     let records = records(&r);
     let (restarts_spent, healthy_killed) = restarts_and_evictions(&r);
     let timeline = timeline(&r.cluster);
@@ -668,7 +686,7 @@ fn records(r: &Run) -> Vec<FaultRecord> {
 
 /// Restarts the agents spent, and workers they killed as silent that the harness had not
 /// stopped.
-fn restarts_and_evictions(r: &Run) -> (usize, usize) {
+pub(crate) fn restarts_and_evictions(r: &Run) -> (usize, usize) {
     let log = r.cluster.log();
     let restarts = log
         .iter()

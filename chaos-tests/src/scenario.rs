@@ -82,6 +82,8 @@ pub fn all() -> Vec<&'static dyn Scenario> {
         &PartitionShort,
         &PartitionLong,
         &PartitionLongFixed,
+        &PARTITION_STATIC,
+        &PARTITION_STATIC_45S,
         &Resize,
         &StrangerData,
         &StrangerStore,
@@ -146,6 +148,24 @@ fn secs_to(run: &Run, since: Instant, needle: &str) -> Option<f64> {
     run.cluster
         .find_after(since, &[needle])
         .map(|l| l.at.saturating_duration_since(since).as_secs_f64())
+}
+
+/// The partition invariants: nobody was killed as silent who had not been stopped by the
+/// harness, and no restart was spent (no process failed).
+fn nobody_killed(run: &Run) -> Vec<Check> {
+    let (restarts, healthy) = crate::runner::restarts_and_evictions(run);
+    vec![
+        Check::new(
+            "no-healthy-killed",
+            healthy == 0,
+            format!("{healthy} healthy process(es) killed as silent"),
+        ),
+        Check::new(
+            "no-restart-spent",
+            restarts == 0,
+            format!("{restarts} restart(s) spent"),
+        ),
+    ]
 }
 
 /// Lines after `since` containing `needle`.
@@ -293,20 +313,21 @@ impl Scenario for HangWorker {
         })
     }
     fn extra_checks(&self, run: &Run) -> Vec<Check> {
-        // The survivor's wait is bounded by twice the deadline plus a second (it must not
-        // race the backend's own deadline, which names the silent rank).
-        let bound = run.cluster.settings().op_timeout * 2.0 + 1.0 + 2.0;
+        // The collective that the stopped rank misses fails at the deadline; its agent sees the
+        // process stopped and kills it at once: killed and replaced within the deadline plus
+        // a second.
+        let bound = run.cluster.settings().op_timeout + 1.0;
         run.injected
             .iter()
             .map(|inj| {
-                let named = secs_to(run, inj.at, "stopped responding");
+                let killed = secs_to(run, inj.at, "stopped responding");
                 let replaced = secs_to(run, inj.at, "restarting rank");
                 Check::new(
                     "hang-detected",
-                    named.is_some_and(|s| s <= bound) && replaced.is_some(),
+                    replaced.is_some_and(|s| s <= bound) && killed.is_some(),
                     format!(
-                        "silent rank named after {}, replaced after {} (bound {bound:.1} s)",
-                        named.map_or("never".into(), |s| format!("{s:.2} s")),
+                        "stopped rank killed after {}, replaced after {} (bound {bound:.1} s)",
+                        killed.map_or("never".into(), |s| format!("{s:.2} s")),
                         replaced.map_or("never".into(), |s| format!("{s:.2} s"))
                     ),
                 )
@@ -640,11 +661,13 @@ impl Scenario for PartitionShort {
         };
         let reforms = count_after(run, first.at, "re-forming")
             + count_after(run, first.at, "membership changed");
-        vec![Check::new(
+        let mut checks = vec![Check::new(
             "no-re-form",
             reforms == 0,
             format!("{reforms} re-formation line(s) after the cut"),
-        )]
+        )];
+        checks.extend(nobody_killed(run));
+        checks
     }
 }
 
@@ -659,7 +682,7 @@ impl Scenario for PartitionLong {
         "cut one node of a 3-node etcd job (--nnodes 2:3) off for 6 s (deadline 3 s, lease TTL 2 s), then heal"
     }
     fn goal(&self) -> &'static str {
-        "the group re-forms without it and it rejoins after healing; restarts spent and healthy processes killed reported"
+        "the two go on without it, it stops training and rejoins after healing; nobody killed, no restart spent; loss within tolerance"
     }
     fn default_faults(&self) -> usize {
         1
@@ -694,7 +717,8 @@ impl Scenario for PartitionLong {
             .iter()
             .any(|l| l.at > inj.at && l.at < healed && l.text.contains(": 2 rank(s)"));
         let rejoined = secs_to(run, healed, ": 3 rank(s)");
-        vec![
+        let mut checks = nobody_killed(run);
+        checks.extend([
             Check::new(
                 "re-form-without-it",
                 without,
@@ -711,7 +735,8 @@ impl Scenario for PartitionLong {
                     format!("group of 3 {s:.2} s after healing")
                 }),
             ),
-        ]
+        ]);
+        checks
     }
 }
 
@@ -723,10 +748,10 @@ impl Scenario for PartitionLongFixed {
         "partition-long-fixed"
     }
     fn about(&self) -> &'static str {
-        "cut one node of a fixed 2-node etcd job off for 8 s (deadline 3 s), then heal"
+        "cut one node of a fixed 3-node etcd job off from the others and etcd for 8 s (deadline 3 s, lease TTL 2 s), then heal"
     }
     fn goal(&self) -> &'static str {
-        "the group re-forms after healing; fingerprint equal; restarts spent and healthy processes killed reported"
+        "the others wait; the group re-forms after healing; nobody killed, no restart spent; fingerprint equal"
     }
     fn default_faults(&self) -> usize {
         1
@@ -735,7 +760,7 @@ impl Scenario for PartitionLongFixed {
         true
     }
     fn setup(&self, _faults: usize) -> (JobSpec, Settings) {
-        let mut spec = JobSpec::etcd(2, "2");
+        let mut spec = JobSpec::etcd(3, "3");
         spec.max_restarts = 6;
         (spec, settings(1500, 100, 3.0))
     }
@@ -751,14 +776,105 @@ impl Scenario for PartitionLongFixed {
             return Vec::new();
         };
         let healed = inj.healed.unwrap_or(inj.at);
+        let formed = secs_to(run, healed, ": 3 rank(s)");
+        let smaller = run
+            .cluster
+            .log()
+            .iter()
+            .any(|l| l.at > inj.at && l.text.contains(": 2 rank(s)"));
+        let mut checks = nobody_killed(run);
+        checks.extend([
+            Check::new(
+                "others-wait",
+                !smaller,
+                if smaller {
+                    "a group of 2 formed without the cut-off node"
+                } else {
+                    "no group formed without the cut-off node"
+                },
+            ),
+            Check::new(
+                "re-form-after-heal",
+                formed.is_some(),
+                formed.map_or("no group formed after healing".into(), |s| {
+                    format!("group of 3 formed {s:.2} s after healing")
+                }),
+            ),
+        ]);
+        checks
+    }
+}
+
+/// A node of a static 2-node job (node 0's embedded store) cut off for longer than the
+/// collective deadline: both ranks time out and report each other.
+pub struct PartitionStatic {
+    name: &'static str,
+    cut: f64,
+    op_timeout: f64,
+}
+
+/// `partition-static`: cut 8 s, deadline 3 s (the CI selection).
+pub const PARTITION_STATIC: PartitionStatic = PartitionStatic {
+    name: "partition-static",
+    cut: 8.0,
+    op_timeout: 3.0,
+};
+
+/// `partition-static-45s`: cut 45 s, deadline 30 s (the defaults of a real job).
+pub const PARTITION_STATIC_45S: PartitionStatic = PartitionStatic {
+    name: "partition-static-45s",
+    cut: 45.0,
+    op_timeout: 30.0,
+};
+
+impl Scenario for PartitionStatic {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+    fn about(&self) -> &'static str {
+        if self.cut > 10.0 {
+            "cut node 1 of a static 2-node job (one worker each) off for 45 s (deadline 30 s), then heal"
+        } else {
+            "cut node 1 of a static 2-node job (one worker each) off for 8 s (deadline 3 s), then heal"
+        }
+    }
+    fn goal(&self) -> &'static str {
+        "no worker killed, no restart spent; the group re-forms after healing; fingerprint equal"
+    }
+    fn default_faults(&self) -> usize {
+        1
+    }
+    fn needs_namespaces(&self) -> bool {
+        true
+    }
+    fn setup(&self, _faults: usize) -> (JobSpec, Settings) {
+        let mut spec = JobSpec::standalone(1);
+        spec.nodes = 2;
+        spec.rdzv = Rdzv::Static;
+        (spec, settings(1500, 100, self.op_timeout))
+    }
+    fn plan(&self, seed: u64, _n: usize, _spec: &JobSpec, _s: &Settings) -> Vec<Planned> {
+        let cut = self.cut;
+        each(seed, 1, 100, 300, |_, _| Fault::Partition {
+            node: 1,
+            secs: cut,
+        })
+    }
+    fn extra_checks(&self, run: &Run) -> Vec<Check> {
+        let Some(inj) = run.injected.first() else {
+            return Vec::new();
+        };
+        let healed = inj.healed.unwrap_or(inj.at);
         let formed = secs_to(run, healed, ": 2 rank(s)");
-        vec![Check::new(
+        let mut checks = nobody_killed(run);
+        checks.push(Check::new(
             "re-form-after-heal",
             formed.is_some(),
             formed.map_or("no group formed after healing".into(), |s| {
                 format!("group of 2 formed {s:.2} s after healing")
             }),
-        )]
+        ));
+        checks
     }
 }
 

@@ -101,24 +101,43 @@ fn partition_shorter_than_the_deadline() {
     run("partition-short", 8, None);
 }
 
+/// Zero healthy processes killed and zero restarts spent (the partition targets), beyond the
+/// scenario's own checks that say the same.
+fn nobody_killed(r: &Report) {
+    assert_eq!(
+        (r.totals.healthy_killed, r.totals.restarts_spent),
+        (0, 0),
+        "{}",
+        r.table()
+    );
+}
+
 #[test]
 fn partition_longer_than_the_deadline_and_the_lease() {
     if let Some(r) = run("partition-long", 9, None) {
-        // Reported for the partition work that will assert zero of each.
-        eprintln!(
-            "restarts spent {}, healthy processes killed {}",
-            r.totals.restarts_spent, r.totals.healthy_killed
-        );
+        nobody_killed(&r);
     }
 }
 
 #[test]
 fn partition_longer_than_the_deadline_at_a_fixed_size() {
     if let Some(r) = run("partition-long-fixed", 10, None) {
-        eprintln!(
-            "restarts spent {}, healthy processes killed {}",
-            r.totals.restarts_spent, r.totals.healthy_killed
-        );
+        nobody_killed(&r);
+    }
+}
+
+#[test]
+fn partition_of_a_static_job_longer_than_the_deadline() {
+    if let Some(r) = run("partition-static", 20, None) {
+        nobody_killed(&r);
+    }
+}
+
+#[test]
+#[ignore = "the issue's own figures (45 s cut, 30 s deadline; about a minute): run with --ignored"]
+fn partition_of_a_static_job_for_45_s_with_a_30_s_deadline() {
+    if let Some(r) = run("partition-static-45s", 21, None) {
+        nobody_killed(&r);
     }
 }
 

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! chaos --list
-//! chaos --scenario NAME --seed S [--faults N] [--json FILE] [--plot FILE] [-- PROGRAM ARGS]
+//! chaos --scenario NAME --seed S [--faults N] [--json FILE] [--plot FILE] [--log FILE] [-- PROGRAM ARGS]
 //! ```
 //!
 //! Without `-- PROGRAM ARGS` the job trains the bundled `ddp` (or `--workload NAME`). The
@@ -50,6 +50,9 @@ struct Args {
     /// The dataset length of PROGRAM, for the sample audit.
     #[arg(long)]
     dataset: Option<u64>,
+    /// Write the job's whole log (every node's lines, with their times) here.
+    #[arg(long)]
+    log: Option<PathBuf>,
     /// Run every node on 127.0.0.1 even as root.
     #[arg(long)]
     loopback: bool,
@@ -128,6 +131,7 @@ fn main() -> ExitCode {
     let mut opts = Options::new(args.seed);
     opts.faults = args.faults;
     opts.hang_after = Duration::from_secs_f64(args.hang_after);
+    opts.log = args.log.clone();
     if args.loopback {
         opts.mode = NetMode::Loopback;
     }

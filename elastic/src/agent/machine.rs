@@ -23,7 +23,7 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use super::evictions::{decide, EvictionDecision, EvictionRequest};
+use super::evictions::{decide, EvictionDecision, EvictionRequest, Verdict};
 use super::outcome::{AgentOutcome, WorkerFailure};
 use super::process::{signal_name, Exit};
 use super::round::Round;
@@ -105,8 +105,12 @@ pub(crate) enum Input {
         event: MembershipEvent,
         live_elastic: bool,
     },
-    /// A peer asked for one of this node's workers to be replaced.
-    Evict(EvictionRequest),
+    /// A peer asked for one of this node's workers to be replaced, and the monitor judged the
+    /// request from what it saw of the worker ([`Verdict::Wait`] is never sent).
+    Evict {
+        req: EvictionRequest,
+        verdict: Verdict,
+    },
     /// Time passed.
     Tick,
 }
@@ -443,17 +447,29 @@ impl Machine {
                     self.stop(now, Then::Reform, out);
                 }
             }
-            Input::Evict(req) => {
-                if let EvictionDecision::Kill { local_rank, rank } = decide(&req, &self.workers) {
-                    out.push(Action::Say(format!(
-                        "rank {rank} (pid {}) stopped responding (reported by rank {}); \
-                         killing it so that it is replaced",
+            Input::Evict { req, verdict } => {
+                let EvictionDecision::Kill { local_rank, rank } = decide(&req, &self.workers)
+                else {
+                    return;
+                };
+                match verdict {
+                    Verdict::Kill(why) => {
+                        out.push(Action::Say(format!(
+                            "rank {rank} (pid {}) stopped responding (reported by rank {}); {why}: \
+                             killing it so that it is replaced",
+                            req.pid, req.by
+                        )));
+                        out.push(Action::Signal {
+                            local_ranks: vec![local_rank],
+                            signal: libc::SIGKILL,
+                        });
+                    }
+                    Verdict::Drop(why) => out.push(Action::Say(format!(
+                        "rank {rank} (pid {}) was reported silent by rank {}; {why}: leaving it \
+                         alone",
                         req.pid, req.by
-                    )));
-                    out.push(Action::Signal {
-                        local_ranks: vec![local_rank],
-                        signal: libc::SIGKILL,
-                    });
+                    ))),
+                    Verdict::Wait => {}
                 }
             }
             _ => {}
@@ -1118,21 +1134,34 @@ mod tests {
     fn evictions_kill_only_a_running_worker_of_that_pid() {
         let t = Instant::now();
         let mut m = running(0, true, t);
-        let req = |pid| {
-            Input::Evict(EvictionRequest {
+        let with = |pid, verdict| Input::Evict {
+            req: EvictionRequest {
                 pid,
                 by: "1".into(),
-            })
+                group: Some((0, 0)),
+            },
+            verdict,
         };
+        let req = |pid| with(pid, Verdict::Kill("it is stopped".into()));
         let a = m.handle(t, req(101));
         assert_eq!(
             says(&a),
             [
-                "rank 1 (pid 101) stopped responding (reported by rank 1); killing it so that it \
-              is replaced"
+                "rank 1 (pid 101) stopped responding (reported by rank 1); it is stopped: \
+                 killing it so that it is replaced"
             ]
         );
         assert_eq!(without_says(a), vec![sig(&[1], SIGKILL)]);
+        // A dropped request only says why.
+        let a = m.handle(t, with(100, Verdict::Drop("it is making progress".into())));
+        assert_eq!(
+            says(&a),
+            [
+                "rank 0 (pid 100) was reported silent by rank 1; it is making progress: \
+                 leaving it alone"
+            ]
+        );
+        assert!(without_says(a).is_empty());
         assert!(m.handle(t, req(999)).is_empty());
         m.handle(t, exited(100, 0, 1.0));
         assert!(m.handle(t, req(100)).is_empty(), "already exited");

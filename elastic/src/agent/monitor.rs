@@ -13,7 +13,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use rekindle_runtime::store::Store;
 
 use super::events::Event;
-use super::evictions::{EvictionWatcher, Targets};
+use super::evictions::{judge, EvictionRequest, EvictionWatcher, Observation, Targets, Verdict};
 use super::http::FailureKind;
 use super::machine::{Action, End, Input, Machine, Params, WorkerExit, WorkerSlot};
 use super::outcome::{AgentError, AgentOutcome};
@@ -25,11 +25,29 @@ use crate::errorfile::read_error_file;
 use crate::membership::{Membership, MembershipEvent, MembershipPublisher};
 use crate::rendezvous::{RendezvousError, RendezvousHandler};
 use crate::store::TcpStoreClient;
+use crate::train::liveness::{Liveness, LIVENESS_FILE_ENV};
 use crate::train::metrics::METRICS_FILE_ENV;
 
 /// The file a worker writes its figures to, next to its error file.
 fn metrics_file(error_file: &Path) -> PathBuf {
     error_file.with_file_name("metrics.json")
+}
+
+/// The file a worker keeps its liveness record in, next to its error file.
+fn liveness_file(error_file: &Path) -> PathBuf {
+    error_file.with_file_name("liveness")
+}
+
+/// How long a worker reported silent may go without a beat, still in the group the report
+/// names, before it counts as stuck. A rank that is alive but was unreachable fails its own
+/// collective within about a step of its reporter, and then leaves that group.
+const EVICTION_GRACE: Duration = Duration::from_secs(2);
+
+/// A request the monitor has not judged yet: what the worker's record said when it came.
+struct PendingEviction {
+    req: EvictionRequest,
+    arrived: Instant,
+    first: Option<Liveness>,
 }
 
 fn unix_secs(t: SystemTime) -> f64 {
@@ -52,6 +70,8 @@ pub(crate) struct Monitor {
     next_membership: Option<Membership>,
     publisher: Option<MembershipPublisher>,
     evictions: EvictionWatcher,
+    /// Eviction requests waiting for a verdict.
+    pending_evictions: Vec<PendingEviction>,
     /// Inputs that actions produced, fed before anything else.
     queue: VecDeque<Input>,
     /// The error behind [`End::Error`].
@@ -79,6 +99,7 @@ impl Monitor {
             next_membership: None,
             publisher: None,
             evictions,
+            pending_evictions: Vec::new(),
             queue: VecDeque::new(),
             error: None,
             counted_round: None,
@@ -104,6 +125,7 @@ impl Monitor {
             }
             self.report(&machine);
             self.watch_evictions(&machine);
+            self.judge_evictions(&machine);
             let input = match self.queue.pop_front() {
                 Some(i) => i,
                 None => match self.membership_input(&machine) {
@@ -306,6 +328,12 @@ impl Monitor {
             METRICS_FILE_ENV.to_string(),
             metrics_file(&spec.error_file).display().to_string(),
         ));
+        // A predecessor's record must not speak for the new worker.
+        let _ = std::fs::remove_file(liveness_file(&spec.error_file));
+        spec.env.push((
+            LIVENESS_FILE_ENV.to_string(),
+            liveness_file(&spec.error_file).display().to_string(),
+        ));
         let spec = &spec;
         let child = process::spawn(spec, self.tx.clone()).map_err(|source| AgentError::Spawn {
             local_rank: spec.local_rank,
@@ -366,6 +394,55 @@ impl Monitor {
         self.evictions.update(targets);
     }
 
+    /// Judges the waiting eviction requests from what this agent sees of its workers (see
+    /// [`judge`]); each verdict other than [`Verdict::Wait`] becomes an input.
+    fn judge_evictions(&mut self, m: &Machine) {
+        let now = Instant::now();
+        let pending = std::mem::take(&mut self.pending_evictions);
+        for p in pending {
+            let slot = m
+                .workers()
+                .iter()
+                .find(|w| w.pid == p.req.pid && w.exit.is_none());
+            let Some(slot) = slot else {
+                // Exited (and replaced, or not): nothing to judge.
+                continue;
+            };
+            let obs = Observation {
+                stopped: self.children.get(&p.req.pid).is_some_and(Child::stopped),
+                liveness: Liveness::read(&liveness_file(&slot.error_file)),
+            };
+            match judge(&p.req, p.first, obs, now - p.arrived, EVICTION_GRACE) {
+                Verdict::Wait => self.pending_evictions.push(p),
+                verdict => {
+                    tracing::info!(pid = p.req.pid, by = %p.req.by, group = ?p.req.group, ?verdict, "eviction request judged");
+                    self.queue.push_back(Input::Evict {
+                        req: p.req,
+                        verdict,
+                    });
+                }
+            }
+        }
+    }
+
+    /// Takes a request in for judging (a second one for the same worker adds nothing).
+    fn take_eviction(&mut self, m: &Machine, req: EvictionRequest) {
+        if self.pending_evictions.iter().any(|p| p.req.pid == req.pid) {
+            return;
+        }
+        let first = m
+            .workers()
+            .iter()
+            .find(|w| w.pid == req.pid && w.exit.is_none())
+            .and_then(|w| Liveness::read(&liveness_file(&w.error_file)));
+        self.pending_evictions.push(PendingEviction {
+            req,
+            arrived: Instant::now(),
+            first,
+        });
+        self.judge_evictions(m);
+    }
+
     /// The next membership event of the workers' round, if the machine wants one.
     fn membership_input(&self, m: &Machine) -> Option<Input> {
         if !m.wants_membership() {
@@ -387,6 +464,10 @@ impl Monitor {
     /// machine's).
     fn wait(&mut self, m: &Machine) -> Input {
         let mut timeout = self.interval;
+        if !self.pending_evictions.is_empty() {
+            // Look at the reported workers again soon: a stuck one is killed at its grace.
+            timeout = timeout.min(Duration::from_millis(50));
+        }
         if let Some(d) = m.deadline() {
             timeout = timeout.min(d.saturating_duration_since(Instant::now()));
         }
@@ -455,7 +536,10 @@ impl Monitor {
                     Input::RendezvousFailed
                 }
             },
-            Event::Evict(req) => Input::Evict(req),
+            Event::Evict(req) => {
+                self.take_eviction(m, req);
+                self.queue.pop_front().unwrap_or(Input::Tick)
+            }
         }
     }
 

@@ -123,6 +123,24 @@ impl Child {
         Ok(())
     }
 
+    /// True when the worker is stopped (SIGSTOP, or a tracing stop): `T` or `t` in the state
+    /// field of `/proc/<pid>/stat`. The pid is our unreaped child, so it names this worker
+    /// whatever it did; false when the state cannot be read.
+    pub(crate) fn stopped(&self) -> bool {
+        if self.reaped.is_some() {
+            return false;
+        }
+        std::fs::read_to_string(format!("/proc/{}/stat", self.pid))
+            .ok()
+            .and_then(|stat| {
+                // The command name may hold spaces and parentheses: the state follows the
+                // last ')'.
+                let rest = &stat[stat.rfind(')')? + 1..];
+                rest.split_whitespace().next().map(|s| s == "T" || s == "t")
+            })
+            .unwrap_or(false)
+    }
+
     /// Reaps the worker after its exit was reported ([`Event::Exited`]); returns how it ended
     /// (`None` if it has not exited). After this, [`Child::signal_group`] sends nothing.
     pub(crate) fn reap(&mut self) -> Option<Exit> {

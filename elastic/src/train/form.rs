@@ -42,7 +42,9 @@ pub struct Member {
 }
 
 /// The key under which a rank asks `node`'s agent to kill its worker `pid`, which stopped
-/// responding (the agent then replaces it like a worker that died).
+/// responding (the agent then replaces it like a worker that died). The value is an
+/// [`EvictionNotice`](super::liveness::EvictionNotice) as JSON: the agent acts on it only if
+/// the worker is stopped or stuck in that group (see [`super::liveness`]).
 pub fn evict_key(node: &str, pid: u32) -> String {
     format!("evict/{node}/{pid}")
 }
@@ -96,10 +98,21 @@ fn open_next(store: &dyn Store, rank: usize, generation: u64) -> Result<(), Trai
     Ok(())
 }
 
+/// Whether a store error may pass (the store is unreachable for now: a partition, a
+/// restarting etcd) rather than say something about the request.
+fn transient(e: &StoreError) -> bool {
+    matches!(
+        e,
+        StoreError::Connection { .. } | StoreError::Backend { .. } | StoreError::Timeout { .. }
+    )
+}
+
 /// Joins the current generation as `rank` of `world_size` and waits until every rank has
 /// joined it; returns the generation and every rank's [`Member`] record, in rank order.
 /// `interrupted` is asked between waits (about every 100 ms); when it says true the wait
-/// ends with `Ok(None)`. Fails with [`TrainError::RejoinTimeout`] after `timeout`.
+/// ends with `Ok(None)`. An unreachable store is waited for (a rank cut off by a partition
+/// rejoins when it heals, instead of failing). Fails with [`TrainError::RejoinTimeout`]
+/// after `timeout`, or with the store's error if it was still unreachable then.
 pub fn join_generation(
     store: &dyn Store,
     rank: usize,
@@ -113,13 +126,54 @@ pub fn join_generation(
     let body = serde_json::to_vec(me).map_err(|e| TrainError::Config {
         reason: format!("cannot encode the member record: {e}"),
     })?;
+    let mut reported = false;
+    loop {
+        match join_once(
+            store,
+            rank,
+            world_size,
+            &body,
+            (start, timeout),
+            round,
+            &mut interrupted,
+        ) {
+            Err(TrainError::Store { source, during, .. })
+                if transient(&source) && start.elapsed() < timeout =>
+            {
+                if !reported {
+                    tracing::warn!(rank, during, error = %source, "the round's store is unreachable; waiting for it");
+                    reported = true;
+                }
+                if interrupted() {
+                    return Ok(None);
+                }
+                std::thread::sleep(WAIT_SLICE);
+            }
+            out => return out,
+        }
+    }
+}
+
+/// One attempt of [`join_generation`], from reading the generation on.
+fn join_once(
+    store: &dyn Store,
+    rank: usize,
+    world_size: usize,
+    body: &[u8],
+    (start, timeout): (Instant, Duration),
+    round: u64,
+    interrupted: &mut impl FnMut() -> bool,
+) -> Result<Option<(u64, Vec<Member>)>, TrainError> {
     let (mut generation, _) = current(store, rank)?;
     'join: loop {
         match store
-            .compare_and_set(&member_key(generation, rank), None, &body)
+            .compare_and_set(&member_key(generation, rank), None, body)
             .map_err(store_err(rank, "joining a generation"))?
         {
             CasOutcome::Swapped => {}
+            // Our own record: an earlier attempt's write went through although its answer
+            // was lost.
+            CasOutcome::Current(Some(v)) if v == body => {}
             CasOutcome::Current(_) => {
                 open_next(store, rank, generation)?;
                 generation = current(store, rank)?.0;

@@ -71,6 +71,7 @@ mod audit;
 mod checkpoint;
 mod env;
 pub mod form;
+pub mod liveness;
 pub mod metrics;
 mod progress;
 mod signal;

@@ -23,6 +23,7 @@ use super::audit::{AuditLine, SampleAudit};
 use super::checkpoint::{self, Checkpoints};
 use super::env::{Assignment, WorkerEnv};
 use super::form::{current_generation, evict_key, join_generation, Member};
+use super::liveness::{EvictionNotice, LivenessWriter};
 use super::metrics::MetricsWriter;
 use super::progress::{Progress, StepLine};
 use super::strategy::{
@@ -104,6 +105,7 @@ pub struct Trainer<S: Strategy = DdpStrategy> {
     progress: Option<Progress>,
     audit: Option<SampleAudit>,
     metrics: MetricsWriter,
+    liveness: LivenessWriter,
 }
 
 impl<S: Strategy> std::fmt::Debug for Trainer<S> {
@@ -205,6 +207,7 @@ impl<S: Strategy> Trainer<S> {
             Some(dir) => Some(Checkpoints::new(dir, options.keep_checkpoints, rank)?),
             None => None,
         };
+        let liveness = LivenessWriter::from_env(env.assignment.round);
         let mut trainer = Trainer {
             env,
             strategy,
@@ -219,6 +222,7 @@ impl<S: Strategy> Trainer<S> {
             progress: None,
             audit: SampleAudit::from_env()?,
             metrics: MetricsWriter::from_env(),
+            liveness,
         };
         trainer.restore()?;
         trainer.metrics.at_step(trainer.step);
@@ -449,6 +453,7 @@ impl<S: Strategy> Trainer<S> {
             "rekindle: local rank {}: moving to round {} as rank {} of {}",
             self.env.local_rank, a.round, a.rank, a.world_size
         );
+        self.liveness.left(a.round);
         self.env.assignment = a;
     }
 
@@ -526,7 +531,8 @@ impl<S: Strategy> Trainer<S> {
             if let Some(a) = self.poll_agent() {
                 return Ok(Err(Interrupt::Reassigned(a)));
             }
-            if current_generation(store.as_ref(), rank)? > generation {
+            // An unreachable store supersedes nothing: the build's own deadline ends the wait.
+            if current_generation(store.as_ref(), rank).is_ok_and(|g| g > generation) {
                 return Ok(Err(Interrupt::Failed(format!(
                     "generation {generation} was superseded while its group was being built"
                 ))));
@@ -547,9 +553,18 @@ impl<S: Strategy> Trainer<S> {
         step_fn: &mut dyn FnMut(&StepInput<'_>) -> Result<S::Output, BoxError>,
     ) -> Result<Interrupt, TrainError> {
         let formed_at = Instant::now();
-        let (pg, builder) = match self.build_group(store, generation)? {
-            Ok(built) => built,
-            Err(interrupt) => return Ok(interrupt),
+        let round = self.env.assignment.round;
+        self.liveness.entered(round, generation);
+        let (pg, builder) = match self.build_group(store, generation) {
+            Ok(Ok(built)) => built,
+            Ok(Err(interrupt)) => {
+                self.liveness.left(round);
+                return Ok(interrupt);
+            }
+            Err(e) => {
+                self.liveness.left(round);
+                return Err(e);
+            }
         };
         let mut subgroups = Vec::new();
         let out = self.run_group(
@@ -571,6 +586,7 @@ impl<S: Strategy> Trainer<S> {
             pg.abort();
         }
         self.strategy.leave();
+        self.liveness.left(round);
         out
     }
 
@@ -726,19 +742,47 @@ impl<S: Strategy> Trainer<S> {
         }
     }
 
-    /// Asks the agents of the ranks that went silent to replace them.
+    /// Asks the agents of the ranks that went silent to replace them. The request names this
+    /// group, so that the agent can drop it when the rank was only unreachable: alive, it
+    /// leaves the group itself when its own collective fails (see [`super::liveness`]).
     fn evict(&self, store: &Arc<dyn Store>, members: &[Member], silent: &[usize]) {
-        for &r in silent {
-            let Some(m) = members.get(r).filter(|m| !m.node.is_empty()) else {
-                continue;
-            };
-            tracing::warn!(rank = r, pid = m.pid, node = %m.node, "rank is silent past the deadline; asking its agent to replace it");
-            if let Err(e) = store.set(
-                &evict_key(&m.node, m.pid),
-                self.rank().to_string().as_bytes(),
-            ) {
-                tracing::warn!(error = %e, "cannot ask for the silent rank's replacement");
-            }
+        let (round, generation) = self
+            .liveness
+            .group()
+            .unwrap_or((self.env.assignment.round, 0));
+        let notice = EvictionNotice {
+            by: self.rank(),
+            round,
+            generation,
+        };
+        let Ok(notice) = serde_json::to_vec(&notice) else {
+            return;
+        };
+        let keys: Vec<String> = silent
+            .iter()
+            .filter_map(|&r| {
+                let m = members.get(r).filter(|m| !m.node.is_empty())?;
+                tracing::warn!(rank = r, pid = m.pid, node = %m.node, "rank is silent past the deadline; asking its agent to replace it");
+                Some(evict_key(&m.node, m.pid))
+            })
+            .collect();
+        if keys.is_empty() {
+            return;
+        }
+        // On a thread of its own: a store this rank cannot reach (it is the one cut off)
+        // must not hold up its re-forming; the store's own deadline ends the attempt.
+        let store = store.clone();
+        let spawned = std::thread::Builder::new()
+            .name("rekindle-evict".into())
+            .spawn(move || {
+                for key in keys {
+                    if let Err(e) = store.set(&key, &notice) {
+                        tracing::warn!(error = %e, "cannot ask for the silent rank's replacement");
+                    }
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "cannot ask for the silent rank's replacement");
         }
     }
 
@@ -815,6 +859,7 @@ impl<S: Strategy> Trainer<S> {
                 });
             }
             self.step += 1;
+            self.liveness.beat();
             self.metrics
                 .step(self.step, started.elapsed().as_secs_f64());
             if let Some(ck) = &self.checkpoints {

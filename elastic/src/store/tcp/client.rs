@@ -27,6 +27,36 @@ struct Conn {
     broken: Arc<AtomicBool>,
 }
 
+/// How long data sent to the server may stay unacknowledged before the kernel gives up on
+/// the connection (`TCP_USER_TIMEOUT`). Idle connections are unaffected; a connection into a
+/// partition fails after this long instead of retransmitting at doubling intervals, so the
+/// first request after the heal goes over a new connection at once.
+const UNACKED_LIMIT: Duration = Duration::from_secs(3);
+
+/// The longest one connection attempt takes before a new one is made (a SYN lost in a
+/// partition is retried by a fresh attempt, not by the kernel's doubling timer).
+const CONNECT_ATTEMPT: Duration = Duration::from_secs(1);
+
+/// Sets [`UNACKED_LIMIT`] on `stream`; a failure only leaves the kernel's default.
+fn limit_unacked(stream: &tokio::net::TcpStream) {
+    use std::os::fd::AsRawFd;
+    let ms = UNACKED_LIMIT.as_millis() as libc::c_uint;
+    // SAFETY: setsockopt on a socket this stream owns, with a pointer to a live c_uint and
+    // its size.
+    let rc = unsafe {
+        libc::setsockopt(
+            stream.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_USER_TIMEOUT,
+            (&ms as *const libc::c_uint).cast(),
+            std::mem::size_of::<libc::c_uint>() as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        tracing::debug!(error = %std::io::Error::last_os_error(), "cannot set TCP_USER_TIMEOUT");
+    }
+}
+
 /// A [`Store`] client of a [`TcpStoreServer`](super::TcpStoreServer).
 ///
 /// Requests from many threads share one connection and do not wait for each other (a long
@@ -111,15 +141,22 @@ impl TcpStoreClient {
                     async move {
                         let mut backoff = Duration::from_millis(10);
                         let mut stream = loop {
-                            match tokio::net::TcpStream::connect(&endpoint).await {
-                                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                            let attempt = tokio::time::timeout(
+                                CONNECT_ATTEMPT,
+                                tokio::net::TcpStream::connect(&endpoint),
+                            );
+                            match attempt.await {
+                                // No answer to the SYN: try again with a new one.
+                                Err(_) => {}
+                                Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
                                     tokio::time::sleep(backoff).await;
                                     backoff = (backoff * 2).min(Duration::from_millis(500));
                                 }
-                                Err(e) => return Err(HandshakeError::Io(e.to_string())),
-                                Ok(s) => break s,
+                                Ok(Err(e)) => return Err(HandshakeError::Io(e.to_string())),
+                                Ok(Ok(s)) => break s,
                             }
                         };
+                        limit_unacked(&stream);
                         if let Ok(peer) = stream.peer_addr() {
                             if let Err(e) = secret.check_exposure(&[peer.ip()]) {
                                 return Err(HandshakeError::Exposed(e.to_string()));
@@ -244,6 +281,9 @@ impl TcpStoreClient {
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
                     .remove(&id);
+                // An answer this late says the connection is stuck: the next request makes a
+                // new one.
+                conn.broken.store(true, Ordering::Release);
                 Err(self.connection_error(format!("{op} got no answer within {budget:?}")))
             }
             Err(CallError::Shutdown) => Err(StoreError::Closed),
