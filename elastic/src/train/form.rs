@@ -127,6 +127,10 @@ pub fn join_generation(
         reason: format!("cannot encode the member record: {e}"),
     })?;
     let mut reported = false;
+    // Generations this call has sent its record to. Finding our record there means an
+    // earlier attempt's write went through although its answer was lost; finding an equal
+    // record anywhere else is a stale one from an earlier re-formation.
+    let mut written = Vec::new();
     loop {
         match join_once(
             store,
@@ -135,6 +139,7 @@ pub fn join_generation(
             &body,
             (start, timeout),
             round,
+            &mut written,
             &mut interrupted,
         ) {
             Err(TrainError::Store { source, during, .. })
@@ -154,7 +159,9 @@ pub fn join_generation(
     }
 }
 
-/// One attempt of [`join_generation`], from reading the generation on.
+/// One attempt of [`join_generation`], from reading the generation on. `written` lists
+/// the generations earlier attempts of the same call sent the record to.
+#[allow(clippy::too_many_arguments)]
 fn join_once(
     store: &dyn Store,
     rank: usize,
@@ -162,10 +169,15 @@ fn join_once(
     body: &[u8],
     (start, timeout): (Instant, Duration),
     round: u64,
+    written: &mut Vec<u64>,
     interrupted: &mut impl FnMut() -> bool,
 ) -> Result<Option<(u64, Vec<Member>)>, TrainError> {
     let (mut generation, _) = current(store, rank)?;
     'join: loop {
+        let retried = written.contains(&generation);
+        if !retried {
+            written.push(generation);
+        }
         match store
             .compare_and_set(&member_key(generation, rank), None, body)
             .map_err(store_err(rank, "joining a generation"))?
@@ -173,7 +185,7 @@ fn join_once(
             CasOutcome::Swapped => {}
             // Our own record: an earlier attempt's write went through although its answer
             // was lost.
-            CasOutcome::Current(Some(v)) if v == body => {}
+            CasOutcome::Current(Some(v)) if retried && v == body => {}
             CasOutcome::Current(_) => {
                 open_next(store, rank, generation)?;
                 generation = current(store, rank)?.0;
@@ -317,6 +329,107 @@ mod tests {
         .unwrap();
         assert_eq!(g, 21, "each re-formation opened exactly one generation");
         assert_eq!(members, vec![member(9, true)]);
+    }
+
+    #[test]
+    fn an_equal_record_from_an_earlier_generation_is_not_taken_for_a_join() {
+        let store = Arc::new(InMemoryStore::new());
+        assert_eq!(
+            join_all(&store, &[(0, member(0, false)), (1, member(0, false))], 2),
+            vec![0, 0]
+        );
+        // Rank 1 re-forms without having trained a step, so its record is byte for byte the
+        // one in generation 0: it must open generation 1 and wait there for rank 0, not
+        // return generation 0's members.
+        let err = join_generation(
+            store.as_ref(),
+            1,
+            2,
+            &member(0, false),
+            Duration::from_millis(250),
+            0,
+            || false,
+        )
+        .unwrap_err();
+        match err {
+            TrainError::RejoinTimeout {
+                generation,
+                missing,
+                ..
+            } => {
+                assert_eq!(generation, 1);
+                assert_eq!(missing, vec![0]);
+            }
+            other => panic!("unexpected error: {other}"),
+        }
+    }
+
+    /// A store that applies the first compare-and-set it is sent and then answers it with
+    /// a connection error, as a store does whose reply is lost in a partition.
+    struct LosesFirstCasAnswer {
+        inner: InMemoryStore,
+        lost: std::sync::atomic::AtomicBool,
+    }
+
+    impl Store for LosesFirstCasAnswer {
+        fn set(&self, key: &str, value: &[u8]) -> rekindle_runtime::store::StoreResult<()> {
+            self.inner.set(key, value)
+        }
+        fn get(&self, key: &str) -> rekindle_runtime::store::StoreResult<Option<Vec<u8>>> {
+            self.inner.get(key)
+        }
+        fn wait(
+            &self,
+            keys: &[&str],
+            timeout: Duration,
+        ) -> rekindle_runtime::store::StoreResult<Vec<Vec<u8>>> {
+            self.inner.wait(keys, timeout)
+        }
+        fn add(&self, key: &str, delta: i64) -> rekindle_runtime::store::StoreResult<i64> {
+            self.inner.add(key, delta)
+        }
+        fn compare_and_set(
+            &self,
+            key: &str,
+            expected: Option<&[u8]>,
+            value: &[u8],
+        ) -> rekindle_runtime::store::StoreResult<CasOutcome> {
+            let out = self.inner.compare_and_set(key, expected, value)?;
+            if self.lost.swap(false, std::sync::atomic::Ordering::SeqCst) {
+                return Err(StoreError::Connection {
+                    endpoint: "test".into(),
+                    reason: "the answer was lost".into(),
+                });
+            }
+            Ok(out)
+        }
+        fn delete_prefix(&self, prefix: &str) -> rekindle_runtime::store::StoreResult<u64> {
+            self.inner.delete_prefix(prefix)
+        }
+    }
+
+    #[test]
+    fn a_join_whose_answer_was_lost_is_not_taken_for_a_stranger() {
+        let store = LosesFirstCasAnswer {
+            inner: InMemoryStore::new(),
+            lost: true.into(),
+        };
+        // The write lands, its answer does not; the retry finds the record it sent and
+        // stays in generation 0 instead of opening another one.
+        let (g, members) = join_generation(
+            &store,
+            0,
+            1,
+            &member(3, true),
+            Duration::from_secs(5),
+            0,
+            || false,
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(g, 0);
+        assert_eq!(members, vec![member(3, true)]);
+        assert_eq!(current_generation(&store, 0).unwrap(), 0);
     }
 
     #[test]
