@@ -20,6 +20,7 @@ use rekindle_elastic::testing::{
 };
 
 use crate::audit::AUDIT_ENV;
+use crate::k8s::{PodFacts, PodTemplate};
 use crate::workload::{RunFiles, Settings, Workload};
 
 /// Why the cluster could not do something.
@@ -120,6 +121,9 @@ pub struct JobSpec {
     pub max_restarts: u32,
     /// `--grace-period` in seconds.
     pub grace_period: f64,
+    /// Run every node as this Kubernetes pod instead (its own `rekindle run` flags and
+    /// environment; see [`crate::k8s`]). The rendezvous must then be etcd.
+    pub pod: Option<PodTemplate>,
 }
 
 impl JobSpec {
@@ -131,6 +135,7 @@ impl JobSpec {
             rdzv: Rdzv::Standalone,
             max_restarts: 3,
             grace_period: 30.0,
+            pod: None,
         }
     }
 
@@ -145,6 +150,7 @@ impl JobSpec {
             },
             max_restarts: 3,
             grace_period: 30.0,
+            pod: None,
         }
     }
 
@@ -279,6 +285,10 @@ impl Cluster {
         for d in [&files.checkpoint_dir, &audit_dir, &logs_dir] {
             std::fs::create_dir_all(d).map_err(io(format!("creating {}", d.display())))?;
         }
+        let secret = random_hex(32);
+        // What a pod finds where its Secret is mounted.
+        std::fs::write(dir.path().join("secret"), &secret)
+            .map_err(io("writing the secret file"))?;
         let rekindle = workspace_bin("rekindle").map_err(io("finding the rekindle binary"))?;
         let mut net = match mode {
             NetMode::Namespaces => Some(Network::new("rkc")?),
@@ -295,7 +305,7 @@ impl Cluster {
         };
         let mut c = Cluster {
             job: format!("chaos-{name}-{}", random_hex(4)),
-            secret: random_hex(32),
+            secret,
             tag: format!("chaos-{}", rekindle_elastic::testing::process::new_tag()),
             bell: Bell::new(),
             rekindle,
@@ -497,9 +507,30 @@ impl Cluster {
         Ok(node)
     }
 
+    /// What Kubernetes would give node `node` as a pod.
+    fn pod_facts(&self, node: usize) -> Result<PodFacts, ClusterError> {
+        Ok(PodFacts {
+            pod_ip: self.node_addr(node)?.to_string(),
+            job_uid: self.job.clone(),
+            etcd_endpoint: self
+                .etcd
+                .as_ref()
+                .map(EtcdServer::endpoint)
+                .ok_or_else(|| ClusterError::Unsupported("pods need etcd".into()))?,
+            log_dir: self.logs_dir.join(format!("node-{node}")),
+            secret_file: self.dir.path().join("secret"),
+        })
+    }
+
     fn agent_args(&self, node: usize) -> Result<Vec<String>, ClusterError> {
         let s = |x: &str| x.to_string();
         let spec = &self.spec;
+        if let Some(pod) = &spec.pod {
+            let mut a = pod.agent_argv(&self.pod_facts(node)?)?;
+            a.push(self.workload.program.display().to_string());
+            a.extend(self.workload.argv(&self.settings, &self.files));
+            return Ok(a);
+        }
         let logs = self.logs_dir.join(format!("node-{node}"));
         let mut a = vec![
             s("run"),
@@ -567,9 +598,18 @@ impl Cluster {
             None => Command::new(&self.rekindle),
             Some(net) => net.host(self.hosts[node])?.command(&self.rekindle),
         };
-        cmd.args(&args)
-            .env("REKINDLE_SECRET", &self.secret)
-            .env(AUDIT_ENV, &self.audit_dir)
+        cmd.args(&args);
+        match &self.spec.pod {
+            // The pod's own environment: the secret comes from the file it names.
+            Some(pod) => {
+                cmd.env_remove("REKINDLE_SECRET")
+                    .envs(pod.environment(&self.pod_facts(node)?)?);
+            }
+            None => {
+                cmd.env("REKINDLE_SECRET", &self.secret);
+            }
+        }
+        cmd.env(AUDIT_ENV, &self.audit_dir)
             .env(
                 "REKINDLE_LOG",
                 "rekindle_elastic=info,rekindle_runtime=warn",

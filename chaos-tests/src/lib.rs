@@ -32,6 +32,7 @@ pub mod audit;
 pub mod cluster;
 pub mod fault;
 pub mod invariants;
+pub mod k8s;
 mod plot;
 pub mod report;
 pub mod runner;

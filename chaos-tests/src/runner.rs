@@ -508,7 +508,10 @@ pub fn run(
     ));
     checks.push(invariants::exits(&exits));
     let got = last_fingerprint(&r.cluster);
-    let fixed = spec.fixed_size() && scenario.compare() == Compare::Fingerprint;
+    // Pods keep their manifest's elastic range; a pod scenario asking for the fingerprint
+    // checks itself that the group never changed size.
+    let fixed =
+        (spec.fixed_size() || spec.pod.is_some()) && scenario.compare() == Compare::Fingerprint;
     if fixed {
         checks.push(invariants::fingerprint(
             got.as_ref(),

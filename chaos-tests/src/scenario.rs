@@ -90,6 +90,8 @@ pub fn all() -> Vec<&'static dyn Scenario> {
         &SlowLink,
         &AddNode,
         &Mixed,
+        &K8S_PODS,
+        &K8S_PODS_FIXED,
     ]
 }
 
@@ -925,26 +927,150 @@ impl Scenario for Resize {
         true
     }
     fn extra_checks(&self, run: &Run) -> Vec<Check> {
-        let mut sizes: Vec<usize> = Vec::new();
-        for l in run.cluster.log() {
-            let Some(n) = l
-                .text
-                .split(" rank(s)")
-                .next()
-                .and_then(|h| h.rsplit(": ").next())
-                .and_then(|n| n.parse::<usize>().ok())
-            else {
-                continue;
-            };
-            if sizes.last() != Some(&n) {
-                sizes.push(n);
-            }
-        }
+        let sizes = group_sizes(run);
         let ok = sizes.windows(3).any(|w| w == [4, 3, 4]);
         vec![Check::new(
             "sizes",
             ok,
             format!("group sizes in order: {sizes:?}"),
+        )]
+    }
+}
+
+/// The group sizes in the order the job formed them (rank 0's `N rank(s)` lines).
+fn group_sizes(run: &Run) -> Vec<usize> {
+    let mut sizes: Vec<usize> = Vec::new();
+    for l in run.cluster.log() {
+        let Some(n) = l
+            .text
+            .split(" rank(s)")
+            .next()
+            .and_then(|h| h.rsplit(": ").next())
+            .and_then(|n| n.parse::<usize>().ok())
+        else {
+            continue;
+        };
+        if sizes.last() != Some(&n) {
+            sizes.push(n);
+        }
+    }
+    sizes
+}
+
+/// The Kubernetes workload (`examples/k8s/train.yaml`) as pods in network namespaces (see
+/// [`crate::k8s`]): with `resize`, scale down by deleting the highest-index pod, then scale up
+/// by adding one; without, two pods train to the end undisturbed.
+pub struct K8sPods {
+    resize: bool,
+}
+
+/// `k8s-pods`: scale down, then up.
+pub const K8S_PODS: K8sPods = K8sPods { resize: true };
+
+/// `k8s-pods-fixed`: two pods, no fault.
+pub const K8S_PODS_FIXED: K8sPods = K8sPods { resize: false };
+
+impl Scenario for K8sPods {
+    fn name(&self) -> &'static str {
+        if self.resize {
+            "k8s-pods"
+        } else {
+            "k8s-pods-fixed"
+        }
+    }
+    fn about(&self) -> &'static str {
+        if self.resize {
+            "examples/k8s/train.yaml's training pods (their own command line and environment, the Downward API values filled in) as 2 pods against etcd; the highest-index pod deleted mid-run (SIGTERM: scale down), a third pod added (scale up); run with --workload k8s"
+        } else {
+            "examples/k8s/train.yaml's training pods as 2 pods against etcd, undisturbed; run with --workload k8s"
+        }
+    }
+    fn goal(&self) -> &'static str {
+        if self.resize {
+            "the job finishes; group sizes 4, 2, 4; no sample twice in an epoch; loss within tolerance"
+        } else {
+            "the job finishes with the fingerprint of the same ranks on one host"
+        }
+    }
+    fn default_faults(&self) -> usize {
+        if self.resize {
+            2
+        } else {
+            0
+        }
+    }
+    fn needs_namespaces(&self) -> bool {
+        // Every pod's agent listens on the manifest's own health port.
+        true
+    }
+    fn setup(&self, _faults: usize) -> (JobSpec, Settings) {
+        let pod = crate::k8s::PodTemplate::load().ok();
+        let nproc = pod
+            .as_ref()
+            .and_then(|p| {
+                p.agent_args
+                    .iter()
+                    .find_map(|a| a.strip_prefix("--nproc-per-node="))
+                    .and_then(|n| n.parse().ok())
+            })
+            .unwrap_or(1);
+        let mut spec = JobSpec::etcd(2, "1:4");
+        spec.nproc_per_node = nproc;
+        spec.pod = pod;
+        (spec, settings(240, 100, 30.0))
+    }
+    fn plan(&self, seed: u64, _n: usize, _spec: &JobSpec, _s: &Settings) -> Vec<Planned> {
+        if !self.resize {
+            return Vec::new();
+        }
+        let mut r = rng(seed);
+        vec![
+            Planned {
+                at_step: r.gen_range(30..50),
+                faults: vec![Fault::Preempt { node: 1 }],
+            },
+            Planned {
+                at_step: r.gen_range(110..130),
+                faults: vec![Fault::AddNode],
+            },
+        ]
+    }
+    fn compare(&self) -> Compare {
+        if self.resize {
+            Compare::Loss
+        } else {
+            Compare::Fingerprint
+        }
+    }
+    fn audit_required(&self) -> bool {
+        true
+    }
+    fn check(&self, workload: &Workload) -> Result<(), String> {
+        crate::k8s::PodTemplate::load().map_err(|e| e.to_string())?;
+        if workload.name != "k8s" {
+            return Err("k8s-pods runs the manifest's own program: use --workload k8s".into());
+        }
+        Ok(())
+    }
+    fn extra_checks(&self, run: &Run) -> Vec<Check> {
+        let sizes = group_sizes(run);
+        let per_pod = run.cluster.spec().nproc_per_node;
+        if !self.resize {
+            // The manifest's range is elastic; the fingerprint compared is that of the full
+            // group, so the run must have formed it once and kept it.
+            let want = [2 * per_pod];
+            return vec![Check::new(
+                "one-full-group",
+                sizes == want,
+                format!("group sizes in order: {sizes:?} (want {want:?})"),
+            )];
+        }
+        let want = [2 * per_pod, per_pod, 2 * per_pod];
+        let ok = sizes.windows(3).any(|w| w == want);
+        vec![Check::new(
+            "scaled-down-and-up",
+            ok,
+            format!("group sizes in order: {sizes:?} (want {want:?} in a row)"),
         )]
     }
 }

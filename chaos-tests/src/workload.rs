@@ -23,7 +23,23 @@ use rekindle_elastic::testing::workspace_bin;
 pub type MakeWorkload = fn() -> std::io::Result<Workload>;
 
 /// The bundled workloads: name, constructor.
-pub const BUNDLED: &[(&str, MakeWorkload)] = &[("ddp", ddp)];
+pub const BUNDLED: &[(&str, MakeWorkload)] = &[("ddp", ddp), ("k8s", k8s)];
+
+/// The training program of the Kubernetes manifest (`examples/k8s/train.yaml`), as the pods of
+/// scenario `k8s-pods` run it (see [`crate::k8s`]).
+pub fn k8s() -> std::io::Result<Workload> {
+    let pod = crate::k8s::PodTemplate::load().map_err(std::io::Error::other)?;
+    let mut w = pod.workload(workspace_bin(&pod.program)?);
+    // The program's own dataset size: its `--dataset`, or the bundled ddp's default.
+    w.dataset_len = Some(
+        pod.program_args
+            .iter()
+            .find_map(|a| a.strip_prefix("--dataset="))
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(200_000),
+    );
+    Ok(w)
+}
 
 /// A training program and its arguments.
 #[derive(Debug, Clone)]
