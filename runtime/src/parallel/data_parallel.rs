@@ -3,6 +3,7 @@
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
 use candle_nn::VarMap;
+use std::time::{Duration, Instant};
 
 use super::ParallelError;
 
@@ -36,6 +37,97 @@ pub struct DpStep {
     pub samples: usize,
     /// The samples each replica computed.
     pub per_replica: Vec<usize>,
+    /// The parallel part: copying the parameters, scattering the batch, and the forward and
+    /// backward passes, until the last replica finished.
+    pub compute: Duration,
+    /// Summing the replicas' gradients on the first device.
+    pub reduce: Duration,
+}
+
+/// What one replica's thread returns: its chunk's mean loss and its gradients (already weighted
+/// by its share of the samples), one per variable in name order, on the first device.
+struct ReplicaOut {
+    loss: f32,
+    grads: Vec<Option<Tensor>>,
+}
+
+/// Copies `from`'s parameters into `to`'s variables (on `to`'s device).
+fn copy_params<M>(from: &Replica<M>, to: &Replica<M>) -> candle_core::Result<()> {
+    for ((_, src), (_, dst)) in from.vars.iter().zip(&to.vars) {
+        dst.set(&src.as_tensor().to_device(&to.device)?)?;
+    }
+    Ok(())
+}
+
+/// A variable's index and its summed gradient (none if no replica produced one).
+type Summed = (usize, Option<Tensor>);
+
+/// Sums the replicas' gradients of every variable, always in replica order (so the result does
+/// not depend on the threads), with the variables shared out over up to one thread per replica,
+/// balanced by element count.
+fn reduce(
+    vars: &[(String, Var)],
+    per: &[Option<ReplicaOut>],
+) -> Result<Vec<Option<Tensor>>, ParallelError> {
+    let outs: Vec<&ReplicaOut> = per.iter().flatten().collect();
+    if let [only] = outs.as_slice() {
+        return Ok(only.grads.clone());
+    }
+    let sum_one = |p: usize| -> Result<Option<Tensor>, ParallelError> {
+        let mut acc: Option<Tensor> = None;
+        for (i, out) in per.iter().enumerate() {
+            let Some(g) = out.as_ref().and_then(|o| o.grads[p].as_ref()) else {
+                continue;
+            };
+            acc = Some(match acc {
+                None => g.clone(),
+                Some(a) => (a + g).map_err(|source| ParallelError::Tensor {
+                    replica: i,
+                    during: "reducing the gradients",
+                    source,
+                })?,
+            });
+        }
+        Ok(acc)
+    };
+    let workers = outs.len().min(vars.len()).max(1);
+    // Largest first onto the least loaded worker.
+    let mut order: Vec<usize> = (0..vars.len()).collect();
+    order.sort_by_key(|&p| std::cmp::Reverse(vars[p].1.elem_count()));
+    let mut load = vec![0usize; workers];
+    let mut share: Vec<Vec<usize>> = vec![Vec::new(); workers];
+    for p in order {
+        let w = (0..workers).min_by_key(|&w| load[w]).unwrap_or(0);
+        load[w] += vars[p].1.elem_count();
+        share[w].push(p);
+    }
+    let sum_one = &sum_one;
+    let parts: Vec<Result<Vec<Summed>, ParallelError>> = std::thread::scope(|s| {
+        let handles: Vec<_> = share
+            .iter()
+            .map(|ps| {
+                s.spawn(move || {
+                    ps.iter()
+                        .map(|&p| sum_one(p).map(|g| (p, g)))
+                        .collect::<Result<Vec<_>, _>>()
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or(Err(ParallelError::Panicked { replica: 0 }))
+            })
+            .collect()
+    });
+    let mut summed: Vec<Option<Tensor>> = vec![None; vars.len()];
+    for part in parts {
+        for (p, g) in part? {
+            summed[p] = g;
+        }
+    }
+    Ok(summed)
 }
 
 struct Replica<M> {
@@ -59,12 +151,12 @@ fn sorted_vars(varmap: &VarMap) -> Result<Vec<(String, Var)>, ParallelError> {
 
 /// A model replicated over several devices of one process (torch's `nn.DataParallel`).
 ///
-/// Each [`forward_backward`](Self::forward_backward): the first replica's parameters are
-/// copied to the others; the batch is split along dimension 0 ([`chunk_sizes`]); every replica
-/// runs forward and backward on its chunk in a thread of its own; the gradients are reduced
-/// onto the first device, each replica's weighted by its share of the samples (so uneven
-/// chunks give the gradient of the whole batch's mean loss), always in replica order, so the
-/// result is the same from run to run. One optimizer then updates the first replica's
+/// Each [`forward_backward`](Self::forward_backward): the batch is split along dimension 0
+/// ([`chunk_sizes`]); every replica, in a thread of its own, copies the first replica's
+/// parameters, runs forward on its chunk, scales its loss by its share of the samples (so
+/// uneven chunks give the gradient of the whole batch's mean loss) and runs backward; the
+/// gradients are summed onto the first device, always in replica order, so the result is the
+/// same from run to run. On the CPU see [`keep_freed_memory`](super::keep_freed_memory). One optimizer then updates the first replica's
 /// variables ([`varmap`](Self::varmap)), which are also what a checkpoint saves: the names
 /// carry no `module.` prefix, and a PyTorch `DataParallel` state dict, whose keys do, loads
 /// into them (the storage crate strips it).
@@ -160,16 +252,11 @@ impl<M: Sync> DataParallel<M> {
     pub fn replicate(&self) -> Result<(), ParallelError> {
         let (first, rest) = self.replicas.split_at(1);
         for (i, replica) in rest.iter().enumerate() {
-            for ((_, src), (_, dst)) in first[0].vars.iter().zip(&replica.vars) {
-                src.as_tensor()
-                    .to_device(&replica.device)
-                    .and_then(|t| dst.set(&t))
-                    .map_err(|source| ParallelError::Tensor {
-                        replica: i + 1,
-                        during: "copying the parameters",
-                        source,
-                    })?;
-            }
+            copy_params(&first[0], replica).map_err(|source| ParallelError::Tensor {
+                replica: i + 1,
+                during: "copying the parameters",
+                source,
+            })?;
         }
         Ok(())
     }
@@ -204,94 +291,110 @@ impl<M: Sync> DataParallel<M> {
                 reason: "an empty batch".into(),
             });
         }
-        self.replicate()?;
         let sizes = chunk_sizes(n, self.replicas.len());
         let loss = &loss;
-        // Every replica's (loss, gradients of its own variables), in replica order.
-        let results: Vec<Result<Option<(f32, GradStore)>, ParallelError>> =
-            std::thread::scope(|s| {
-                let mut start = 0;
-                let handles: Vec<_> = self
-                    .replicas
-                    .iter()
-                    .zip(&sizes)
-                    .enumerate()
-                    .map(|(i, (replica, &len))| {
-                        let from = start;
-                        start += len;
-                        s.spawn(move || -> Result<Option<(f32, GradStore)>, ParallelError> {
-                            if len == 0 {
-                                return Ok(None);
-                            }
-                            let xi = x
-                                .narrow(0, from, len)
-                                .and_then(|t| t.to_device(&replica.device))
-                                .map_err(tensor_err(i, "scattering the inputs"))?;
-                            let yi = y
-                                .narrow(0, from, len)
-                                .and_then(|t| t.to_device(&replica.device))
-                                .map_err(tensor_err(i, "scattering the labels"))?;
-                            let l = loss(&replica.model, &xi, &yi)
-                                .map_err(tensor_err(i, "the forward pass"))?;
-                            let value = l
-                                .to_dtype(candle_core::DType::F32)
-                                .and_then(|l| l.to_scalar::<f32>())
-                                .map_err(tensor_err(i, "reading the loss"))?;
-                            let grads = l.backward().map_err(tensor_err(i, "the backward pass"))?;
-                            Ok(Some((value, grads)))
-                        })
+        let first = &self.replicas[0];
+        let dev0 = &first.device;
+        let started = Instant::now();
+        // Every replica's (loss, gradients of its variables in name order, on the first
+        // device), in replica order. Each replica copies the first one's parameters in its own
+        // thread, so the copies overlap the first replica's forward pass; each scales its loss
+        // by its share of the samples before the backward pass, so its gradients arrive
+        // weighted and the reduction is a plain sum.
+        let results: Vec<Result<Option<ReplicaOut>, ParallelError>> = std::thread::scope(|s| {
+            let mut start = 0;
+            let handles: Vec<_> = self
+                .replicas
+                .iter()
+                .zip(&sizes)
+                .enumerate()
+                .map(|(i, (replica, &len))| {
+                    let from = start;
+                    start += len;
+                    s.spawn(move || -> Result<Option<ReplicaOut>, ParallelError> {
+                        if i > 0 {
+                            copy_params(first, replica)
+                                .map_err(tensor_err(i, "copying the parameters"))?;
+                        }
+                        if len == 0 {
+                            return Ok(None);
+                        }
+                        let xi = x
+                            .narrow(0, from, len)
+                            .and_then(|t| t.to_device(&replica.device))
+                            .map_err(tensor_err(i, "scattering the inputs"))?;
+                        let yi = y
+                            .narrow(0, from, len)
+                            .and_then(|t| t.to_device(&replica.device))
+                            .map_err(tensor_err(i, "scattering the labels"))?;
+                        let l = loss(&replica.model, &xi, &yi)
+                            .map_err(tensor_err(i, "the forward pass"))?;
+                        let value = l
+                            .to_dtype(candle_core::DType::F32)
+                            .and_then(|l| l.to_scalar::<f32>())
+                            .map_err(tensor_err(i, "reading the loss"))?;
+                        let weight = len as f64 / n as f64;
+                        let scaled = if len == n {
+                            l
+                        } else {
+                            l.affine(weight, 0.0)
+                                .map_err(tensor_err(i, "weighting the loss"))?
+                        };
+                        let store = scaled
+                            .backward()
+                            .map_err(tensor_err(i, "the backward pass"))?;
+                        let grads = replica
+                            .vars
+                            .iter()
+                            .map(|(_, v)| {
+                                store
+                                    .get(v.as_tensor())
+                                    .map(|g| g.to_device(dev0))
+                                    .transpose()
+                            })
+                            .collect::<candle_core::Result<Vec<_>>>()
+                            .map_err(tensor_err(i, "gathering the gradients"))?;
+                        Ok(Some(ReplicaOut { loss: value, grads }))
                     })
-                    .collect();
-                handles
-                    .into_iter()
-                    .enumerate()
-                    .map(|(i, h)| {
-                        h.join()
-                            .unwrap_or(Err(ParallelError::Panicked { replica: i }))
-                    })
-                    .collect()
-            });
+                })
+                .collect();
+            handles
+                .into_iter()
+                .enumerate()
+                .map(|(i, h)| {
+                    h.join()
+                        .unwrap_or(Err(ParallelError::Panicked { replica: i }))
+                })
+                .collect()
+        });
         let mut per = Vec::with_capacity(results.len());
         for r in results {
             per.push(r?);
         }
-        // Reduce onto the first device: sum_i (n_i / n) * grad_i, in replica order.
-        let dev0 = &self.replicas[0].device;
+        let computed = Instant::now();
+        let total_loss: f64 = per
+            .iter()
+            .zip(&sizes)
+            .filter_map(|(out, &len)| out.as_ref().map(|o| o.loss as f64 * len as f64 / n as f64))
+            .sum();
+        let summed = reduce(&first.vars, &per)?;
         let mut grads = GradStore::default();
-        let mut total_loss = 0.0f64;
-        for (p, (name, var0)) in self.replicas[0].vars.iter().enumerate() {
-            let mut acc: Option<Tensor> = None;
-            for (i, (replica, out)) in self.replicas.iter().zip(&per).enumerate() {
-                let Some((_, g)) = out else { continue };
-                let Some(gi) = g.get(replica.vars[p].1.as_tensor()) else {
-                    continue;
-                };
-                let weight = sizes[i] as f64 / n as f64;
-                let term = gi
-                    .to_device(dev0)
-                    .and_then(|g| g.affine(weight, 0.0))
-                    .map_err(tensor_err(i, "reducing the gradients"))?;
-                acc = Some(match acc {
-                    None => term,
-                    Some(a) => (a + term).map_err(tensor_err(i, "reducing the gradients"))?,
-                });
-            }
-            if let Some(g) = acc {
-                grads.insert(var0.as_tensor(), g);
-            } else {
-                tracing::debug!(param = %name, "no replica produced a gradient");
+        for ((name, var0), g) in first.vars.iter().zip(summed) {
+            match g {
+                Some(g) => {
+                    grads.insert(var0.as_tensor(), g);
+                }
+                None => tracing::debug!(param = %name, "no replica produced a gradient"),
             }
         }
-        for (i, out) in per.iter().enumerate() {
-            if let Some((l, _)) = out {
-                total_loss += *l as f64 * sizes[i] as f64 / n as f64;
-            }
-        }
+        let reduced = Instant::now();
         Ok(DpStep {
             grads,
             loss: total_loss as f32,
             samples: n,
             per_replica: sizes,
+            compute: computed - started,
+            reduce: reduced - computed,
         })
     }
 }

@@ -11,7 +11,8 @@
 //!
 //! Both work with candle tensors on any device. A CPU build has only the CPU: several "devices"
 //! are then the CPU more than once (replicas run on threads of their own; the stages of a
-//! model-parallel model simply run in turn).
+//! model-parallel model simply run in turn). Replicas on threads of one process share its
+//! allocator: call [`keep_freed_memory`] at the start of such a program.
 //!
 //! ```
 //! use candle_core::{Device, DType, Module, Tensor};
@@ -31,9 +32,11 @@
 //! assert_eq!(out.per_replica, vec![3, 3]);
 //! ```
 
+mod allocator;
 mod data_parallel;
 mod model_parallel;
 
+pub use allocator::keep_freed_memory;
 pub use data_parallel::{chunk_sizes, DataParallel, DpStep};
 pub use model_parallel::{Layer, ModelParallel};
 
