@@ -226,10 +226,7 @@ fn sigkilled_agent_takes_its_workers_along() {
 #[test]
 fn static_two_nodes_on_one_host() {
     let logs = tempfile::tempdir().unwrap();
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port().to_string()
-    };
+    let port = free_port();
     let node = |rank: &str| {
         rekindle(
             &[
@@ -267,6 +264,47 @@ fn static_two_nodes_on_one_host() {
         );
     }
     assert!(n1.output().contains("node=1"));
+}
+
+/// A port the kernel just handed out on loopback (free again once returned).
+fn free_port() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port().to_string()
+}
+
+#[test]
+fn static_one_node_with_another_master_address() {
+    // A one-node job's embedded store listens on 127.0.0.1 whatever the master address (it
+    // serves no other host); its workers must be sent there. 127.0.0.2 reaches this host too,
+    // but nothing listens on it.
+    let logs = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let mut a = rekindle(
+        &[
+            "run",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.2",
+            "--master-port",
+            &port,
+            "--log-dir",
+            logs.path().to_str().unwrap(),
+            WORKER,
+            "barrier",
+        ],
+        &[],
+    );
+    assert_eq!(a.wait_exit(T).unwrap(), 0, "{}", a.output());
+    for r in 0..2 {
+        assert!(
+            a.output().contains(&format!("barrier ok rank={r} world=2")),
+            "rank {r} missing:\n{}",
+            a.output()
+        );
+    }
 }
 
 #[test]

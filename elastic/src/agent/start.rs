@@ -363,12 +363,17 @@ impl Agent {
 
     /// The round's store as workers open it ([`crate::store::connect`]): etcd itself when the
     /// rendezvous backend offers it (then no node is a single point of failure), else node 0's
-    /// embedded store.
+    /// embedded store. A static job of one node keeps that store on loopback
+    /// ([`store_bind`]) whatever its master address, so its workers open it there.
     pub(crate) fn round_store_addr(&self, round: &Round) -> String {
-        if let Rdzv::Dynamic { handler } = &self.rdzv {
-            if let Some(addr) = handler.backend().worker_store_addr() {
-                return addr;
+        match &self.rdzv {
+            Rdzv::Dynamic { handler } => {
+                if let Some(addr) = handler.backend().worker_store_addr() {
+                    return addr;
+                }
             }
+            Rdzv::Static { nnodes: 1, .. } => return self.agent_store_addr.clone(),
+            _ => {}
         }
         round.master()
     }
