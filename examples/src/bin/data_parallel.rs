@@ -24,7 +24,7 @@ use clap::Parser;
 use rekindle_elastic::train::{self, ElasticOptions, RunEnd, StepOutput, Trainer};
 use rekindle_examples::mlp::{params_sha256, Mlp, MlpConfig, TeacherDataset};
 use rekindle_runtime::optim::{Sgd, SgdConfig};
-use rekindle_runtime::parallel::DataParallel;
+use rekindle_runtime::parallel::{keep_freed_memory, DataParallel};
 use rekindle_runtime::sampler::ElasticConfig;
 use rekindle_runtime::Device;
 use rekindle_storage::candle_io::candle_device;
@@ -90,6 +90,8 @@ fn parse_devices(list: &str) -> Result<Vec<candle_core::Device>> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    // The replicas' threads share this process's allocator: keep freed buffers for reuse.
+    keep_freed_memory();
     // candle's CPU kernels read this once, on first use: each replica's thread computes alone.
     std::env::set_var("RAYON_NUM_THREADS", args.threads.max(1).to_string());
     let devices = parse_devices(&args.devices)?;

@@ -27,7 +27,7 @@ use clap::{Parser, ValueEnum};
 use rekindle_examples::mlp::{named_vars, params_sha256, Mlp, MlpConfig, TeacherDataset};
 use rekindle_runtime::ddp::{Ddp, DdpOptions, StepMode};
 use rekindle_runtime::optim::{specs_of, step_vars, Optimizer, Sgd, SgdConfig};
-use rekindle_runtime::parallel::DataParallel;
+use rekindle_runtime::parallel::{keep_freed_memory, DataParallel};
 use rekindle_runtime::sampler::{ElasticConfig, ElasticSampler};
 use rekindle_runtime::store::{FileStore, Store};
 use rekindle_runtime::{GroupConfig, JobSecret, ProcessGroup, TcpOptions};
@@ -42,6 +42,15 @@ enum Role {
     Rank,
     /// One process, DataParallel over `--ranks` CPU replicas.
     Dp,
+}
+
+/// How every run's C allocator treats freed memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Allocator {
+    /// glibc's defaults: large buffers are mapped and unmapped every step.
+    System,
+    /// `rekindle_runtime::parallel::keep_freed_memory`: freed buffers are reused.
+    KeepFreed,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -80,6 +89,9 @@ struct Args {
     /// When parameters are updated relative to the all-reduces.
     #[arg(long, value_enum, default_value_t = Mode::Atomic)]
     mode: Mode,
+    /// The C allocator's treatment of freed memory, the same in every run.
+    #[arg(long, value_enum, default_value_t = Allocator::System)]
+    allocator: Allocator,
     /// Write the table as CSV here.
     #[arg(long)]
     csv: Option<PathBuf>,
@@ -172,6 +184,12 @@ fn main() -> Result<()> {
         bail!("--ranks, --batch, --threads and --steps must be at least 1");
     }
     MlpConfig::parse(&args.layers)?;
+    if args.allocator == Allocator::KeepFreed
+        && args.role != Role::Coordinator
+        && !keep_freed_memory()
+    {
+        bail!("--allocator keep-freed needs glibc");
+    }
     match args.role {
         Role::Coordinator => coordinate(&args),
         Role::Single => {
@@ -225,6 +243,11 @@ fn spawn(
         match args.mode {
             Mode::Atomic => "atomic",
             Mode::Overlapped => "overlapped",
+        },
+        "--allocator",
+        match args.allocator {
+            Allocator::System => "system",
+            Allocator::KeepFreed => "keep-freed",
         },
     ]);
     if let Some(dir) = store {
@@ -327,8 +350,8 @@ fn coordinate(args: &Args) -> Result<()> {
     ];
     let layers = &args.layers;
     println!(
-        "MLP {layers}, batch {} per rank, {} thread(s) per process, {} timed steps, mode {:?}, buckets {} MiB first / {} MiB cap",
-        args.batch, args.threads, steps, args.mode, args.first_bucket_mb, args.bucket_cap_mb
+        "MLP {layers}, batch {} per rank, {} thread(s) per process, {} timed steps, mode {:?}, buckets {} MiB first / {} MiB cap, allocator {:?}",
+        args.batch, args.threads, steps, args.mode, args.first_bucket_mb, args.bucket_cap_mb, args.allocator
     );
     println!(
         "{:<18} {:>5} {:>10} {:>10} {:>10} {:>7}",
