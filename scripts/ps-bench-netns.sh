@@ -25,6 +25,9 @@ BIN=${BIN:-target/release}
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
 CSV=$OUT/ps-bench.csv
+# The ranks talk across namespaces, off loopback: they share a job secret of this run's own.
+export REKINDLE_SECRET_FILE=$OUT/job-secret
+( umask 077; od -An -N32 -tx1 /dev/urandom | tr -d ' \n' > "$REKINDLE_SECRET_FILE" )
 
 for b in rekindle ps_bench; do
   [ -x "$BIN/$b" ] || { echo "missing $BIN/$b: build the release binaries first" >&2; exit 1; }
@@ -85,6 +88,7 @@ run() {
   RUN_NO=$((RUN_NO + 1))
   local port=$((29400 + RUN_NO)) pids=()
   PIDS=()
+  rm -f "$OUT"/run-*.log
   for i in $(seq 0 $((nranks - 1))); do
     ip netns exec "psb$ID-$i" unshare -m --propagation private sh -c \
       'mount -t tmpfs -o size=64m tmpfs /dev/shm && exec "$@"' sh \
