@@ -90,9 +90,17 @@ impl MembershipEvent {
     }
 }
 
-/// Events for the change from `seen` to `now`.
+/// Events for the change from `seen` to `now`. Once the job is closed only that is
+/// reported: its nodes leave as they finish (a node closes the job before its record goes),
+/// and a member gone from a finished job is not a loss to re-form around.
 pub(crate) fn diff(round: u64, seen: &Observation, now: &Observation) -> Vec<MembershipEvent> {
     let mut out = Vec::new();
+    if now.closed {
+        if !seen.closed {
+            out.push(MembershipEvent::JobClosed { round });
+        }
+        return out;
+    }
     for node in now.lost.difference(&seen.lost) {
         out.push(MembershipEvent::PeerLost {
             round,
@@ -109,9 +117,6 @@ pub(crate) fn diff(round: u64, seen: &Observation, now: &Observation) -> Vec<Mem
         if seen.newer_round != Some(new_round) {
             out.push(MembershipEvent::NewRound { round, new_round });
         }
-    }
-    if now.closed && !seen.closed {
-        out.push(MembershipEvent::JobClosed { round });
     }
     out
 }
@@ -400,7 +405,7 @@ mod tests {
             lost: set(&["b"]),
             waiting: 2,
             newer_round: Some(4),
-            closed: true,
+            closed: false,
         };
         assert_eq!(
             diff(3, &lost_b, &more),
@@ -413,8 +418,32 @@ mod tests {
                     round: 3,
                     new_round: 4
                 },
-                MembershipEvent::JobClosed { round: 3 },
             ]
+        );
+        let closed = Observation {
+            closed: true,
+            ..more.clone()
+        };
+        assert_eq!(
+            diff(3, &more, &closed),
+            vec![MembershipEvent::JobClosed { round: 3 }]
+        );
+        assert!(diff(3, &closed, &closed).is_empty());
+    }
+
+    #[test]
+    fn a_member_gone_from_a_closed_job_is_not_lost() {
+        // The first node to finish closes the job, then its record goes: a watcher that sees
+        // both at once must not re-form around it.
+        let none = Observation::default();
+        let finished_and_gone = Observation {
+            lost: set(&["a"]),
+            closed: true,
+            ..Default::default()
+        };
+        assert_eq!(
+            diff(0, &none, &finished_and_gone),
+            vec![MembershipEvent::JobClosed { round: 0 }]
         );
     }
 

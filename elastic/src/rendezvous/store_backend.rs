@@ -194,7 +194,8 @@ impl RendezvousBackend for StoreBackend {
 
     fn snapshot(&self) -> StoreResult<Snapshot> {
         let generation = self.store.add(&self.key("gen"), 0)?;
-        let state = self.store.get(&self.key("state"))?;
+        // Liveness before the state and the finished record: a node closes the job before its
+        // record goes, so a snapshot that misses a finished node also sees the job closed.
         let (_, ids) = self.registry()?;
         let now = now_ms();
         let ttl = self.ttl.as_millis() as u64;
@@ -210,6 +211,7 @@ impl RendezvousBackend for StoreBackend {
                 }
             }
         }
+        let state = self.store.get(&self.key("state"))?;
         let finished = self.store.get(&self.key("finished"))?.is_some();
         Ok(Snapshot {
             token: Token(TokenKind::Store {
