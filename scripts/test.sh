@@ -31,6 +31,8 @@ fi
 ./scripts/lint-deploy.sh
 
 export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
+# A one-shot build gains nothing from incremental state (GBs on disk).
+export CARGO_INCREMENTAL=${CARGO_INCREMENTAL:-0}
 # Dependencies are built with opt-level 3 in the dev/test profile (see Cargo.toml).
 # The chaos tests run the workspace's binaries (`rekindle`, `ddp`): build them all first.
 cargo build --workspace --bins
