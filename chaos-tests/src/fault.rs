@@ -107,6 +107,17 @@ impl Fault {
         }
     }
 
+    /// The node whose processes (agent or workers) the fault acts on, if it acts on some.
+    pub fn process_node(&self) -> Option<usize> {
+        match self {
+            Fault::KillWorker { node, .. }
+            | Fault::KillNode { node, .. }
+            | Fault::HangWorker { node, .. }
+            | Fault::Preempt { node } => Some(*node),
+            _ => None,
+        }
+    }
+
     /// What and where, in a few words.
     pub fn target(&self) -> String {
         match self {

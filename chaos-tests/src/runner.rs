@@ -222,7 +222,22 @@ impl Run {
         let step_before = self.cluster.step();
         let first = self.injected.len();
         let mut heals: Vec<(Duration, usize, Option<i32>)> = Vec::new();
+        let mut started_again = Vec::new();
         for f in faults {
+            // A fault aimed at the processes of a node killed earlier in this batch is aimed
+            // at its new ones: start the node again first (nothing else would before the
+            // batch is over, and waiting for its worker would stall the schedule).
+            if let Some(node) = f.process_node() {
+                let killed = (first..self.injected.len()).find(|&i| {
+                    !started_again.contains(&i)
+                        && matches!(self.injected[i].fault,
+                            Fault::KillNode { node: n, restart: true } if n == node)
+                });
+                if let Some(i) = killed {
+                    self.after(i)?;
+                    started_again.push(i);
+                }
+            }
             let stopped_before = self.stopped.len();
             let lasts = self.inject(f)?;
             let stopped = self.stopped.get(stopped_before).copied();
@@ -247,7 +262,9 @@ impl Run {
             self.injected[i].healed = Some(Instant::now());
         }
         for i in first..self.injected.len() {
-            self.after(i)?;
+            if !started_again.contains(&i) {
+                self.after(i)?;
+            }
         }
         let recovered = self
             .cluster

@@ -5,6 +5,7 @@
 //! chaos_targets -- --ignored`, or `scripts/chaos-soak.sh`.
 
 use rekindle_chaos_tests::cluster::NetMode;
+use rekindle_chaos_tests::fault::Fault;
 use rekindle_chaos_tests::report::Report;
 use rekindle_chaos_tests::runner::{Options, RunError};
 use rekindle_chaos_tests::{scenario, workload};
@@ -169,4 +170,31 @@ fn a_node_added_mid_run() {
 #[test]
 fn a_short_mixed_schedule() {
     run("mixed", 16, Some(4));
+}
+
+#[test]
+fn a_node_killed_and_its_new_worker_killed_at_once() {
+    // Seed 1926 starts with a node killed (and restarted) and its worker killed in one
+    // entry: the kill is aimed at the worker the restarted node starts.
+    let name = "mixed";
+    let s = scenario::by_name(name).unwrap();
+    let (spec, settings) = s.setup(3);
+    if NetMode::detect() == NetMode::Namespaces {
+        let plan = s.plan(1926, 3, &spec, &settings);
+        assert!(
+            matches!(
+                &plan[0].faults[..],
+                [
+                    Fault::KillNode {
+                        node: 1,
+                        restart: true
+                    },
+                    Fault::KillWorker { node: 1, .. }
+                ]
+            ),
+            "{plan:?}"
+        );
+    }
+    let r = run(name, 1926, Some(3)).unwrap();
+    assert_eq!((r.totals.faults, r.totals.hangs), (3, 0));
 }
