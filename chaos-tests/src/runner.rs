@@ -651,10 +651,18 @@ fn records(r: &Run) -> Vec<FaultRecord> {
         .map(|inj| {
             let at_s = c.secs(inj.at);
             let markers = inj.fault.detection_markers();
+            // A line after the next batch of faults was injected is that batch's.
+            let next_batch = r
+                .injected
+                .iter()
+                .map(|i| i.at)
+                .filter(|t| *t > inj.at)
+                .min();
             let detected = (!markers.is_empty())
                 .then(|| c.find_after(inj.at, markers))
                 .flatten()
-                .map(|l| l.at);
+                .map(|l| l.at)
+                .filter(|t| next_batch.is_none_or(|n| *t < n));
             // A step in flight may still complete right after the fault: the next step that
             // counts is the first one after the fault was noticed (or healed, for one that
             // lasts).
