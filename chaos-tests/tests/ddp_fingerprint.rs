@@ -61,3 +61,40 @@ fn the_ddp_job_ends_with_the_same_parameters_with_and_without_a_sigkill() {
     assert!(out.contains("generation 1:"), "the group re-formed:\n{out}");
     assert_eq!(final_fingerprint(&faulty), Some(expected));
 }
+
+#[test]
+fn a_job_asking_for_a_backend_it_cannot_use_stops_at_once_with_the_reason() {
+    // A CPU build (or a machine without a GPU): `--backend nccl` is refused before any group
+    // is built, instead of failing every generation's bootstrap until the deadlines run out.
+    let logs = tempfile::tempdir().unwrap();
+    let mut cmd = std::process::Command::new(workspace_bin("rekindle").unwrap());
+    cmd.args([
+        "run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--log-dir",
+        logs.path().to_str().unwrap(),
+        workspace_bin("ddp").unwrap().to_str().unwrap(),
+        "--backend",
+        "nccl",
+        "--layers",
+        "8-8-2",
+        "--dataset",
+        "256",
+        "--batch",
+        "32",
+        "--steps",
+        "5",
+    ]);
+    let mut job = Proc::spawn(cmd).unwrap();
+    let code = job.wait_exit(Duration::from_secs(120)).unwrap();
+    assert_ne!(code, 0);
+    let text: String = job
+        .lines()
+        .iter()
+        .map(|l| format!("{}\n", l.text))
+        .collect();
+    assert!(text.contains("--backend nccl on local rank"), "{text}");
+    assert!(!text.contains("final_step="), "{text}");
+}

@@ -125,6 +125,8 @@ pub struct ElasticOptions {
     pub keep_checkpoints: usize,
     /// DDP settings (buckets, step mode). The step mode must stay `Atomic` for live recovery.
     pub ddp: DdpOptions,
+    /// The collective backend of the loop's groups and sub-groups. Default TCP.
+    pub backend: CollectiveBackend,
     /// TCP backend settings.
     pub tcp: TcpOptions,
     /// Deadline of each collective: a peer silent for longer is treated as lost. Default 30 s.
@@ -151,6 +153,7 @@ impl Default for ElasticOptions {
             checkpoint_every: 0,
             keep_checkpoints: 3,
             ddp: DdpOptions::default(),
+            backend: CollectiveBackend::Tcp,
             tcp: TcpOptions::default(),
             op_timeout: Duration::from_secs(30),
             bootstrap_timeout: Duration::from_secs(30),
@@ -159,6 +162,85 @@ impl Default for ElasticOptions {
             loss_csv: None,
             check_parameters_every: 0,
             handle_signals: true,
+        }
+    }
+}
+
+/// The collective backend the elastic loop builds its groups on, every round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CollectiveBackend {
+    /// The TCP backend (shared-memory rings between ranks of one host).
+    #[default]
+    Tcp,
+    /// NCCL on `cuda:LOCAL_RANK`: a build with the `nccl` feature, a CUDA device for every
+    /// local rank and an NCCL library this process can load. Host buffers (the DDP strategy's
+    /// flattened gradients) are staged through the device; a membership change aborts the
+    /// communicator and the next round builds a new one over the store.
+    Nccl,
+}
+
+impl CollectiveBackend {
+    /// The backend's name (`tcp`, `nccl`).
+    pub fn name(&self) -> &'static str {
+        match self {
+            CollectiveBackend::Tcp => "tcp",
+            CollectiveBackend::Nccl => "nccl",
+        }
+    }
+
+    /// The device the groups of local rank `local_rank` use.
+    pub fn device(&self, local_rank: usize) -> rekindle_runtime::Device {
+        match self {
+            CollectiveBackend::Tcp => rekindle_runtime::Device::Cpu,
+            CollectiveBackend::Nccl => rekindle_runtime::Device::Cuda(local_rank),
+        }
+    }
+
+    /// Checks, before any group is built, that local rank `local_rank` can use the backend:
+    /// for NCCL, that this build has it, that `cuda:LOCAL_RANK` is there and that the NCCL
+    /// library loads. A failure is a [`TrainError::Config`] (the loop would otherwise fail to
+    /// build every generation's group until its deadlines ran out).
+    pub fn check(&self, local_rank: usize) -> Result<(), TrainError> {
+        if *self == CollectiveBackend::Tcp {
+            return Ok(());
+        }
+        let config = |reason: String| TrainError::Config {
+            reason: format!("--backend nccl on local rank {local_rank}: {reason}"),
+        };
+        if !cfg!(feature = "nccl") {
+            return Err(config(
+                "this build has no NCCL support: build with `--features nccl` \
+                 (rekindle-elastic/nccl), or use --backend tcp"
+                    .into(),
+            ));
+        }
+        self.device(local_rank)
+            .ensure_available()
+            .map_err(|e| config(e.to_string()))?;
+        #[cfg(feature = "nccl")]
+        rekindle_runtime::NcclBackend::library_version().map_err(|e| config(e.to_string()))?;
+        Ok(())
+    }
+}
+
+impl std::fmt::Display for CollectiveBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for CollectiveBackend {
+    type Err = TrainError;
+
+    /// `tcp` (also `gloo`, the name PyTorch's CPU backend goes by) or `nccl`,
+    /// case-insensitively.
+    fn from_str(s: &str) -> Result<Self, TrainError> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "tcp" | "gloo" => Ok(CollectiveBackend::Tcp),
+            "nccl" => Ok(CollectiveBackend::Nccl),
+            _ => Err(TrainError::Config {
+                reason: format!("unknown collective backend {s:?} (tcp or nccl)"),
+            }),
         }
     }
 }
@@ -248,4 +330,40 @@ pub enum TrainError {
         /// The OS error.
         source: std::io::Error,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backends_parse_by_name_and_refuse_others() {
+        for (s, b) in [
+            ("tcp", CollectiveBackend::Tcp),
+            (" Gloo ", CollectiveBackend::Tcp),
+            ("NCCL", CollectiveBackend::Nccl),
+        ] {
+            assert_eq!(s.parse::<CollectiveBackend>().unwrap(), b, "{s}");
+        }
+        assert!(matches!(
+            "mpi".parse::<CollectiveBackend>(),
+            Err(TrainError::Config { .. })
+        ));
+        assert_eq!(CollectiveBackend::Nccl.to_string(), "nccl");
+        assert_eq!(
+            CollectiveBackend::Nccl.device(3),
+            rekindle_runtime::Device::Cuda(3)
+        );
+        assert_eq!(CollectiveBackend::default(), CollectiveBackend::Tcp);
+    }
+
+    #[test]
+    fn nccl_is_refused_up_front_where_it_cannot_run() {
+        assert!(CollectiveBackend::Tcp.check(0).is_ok());
+        // No build here has both a GPU and the driver: NCCL is refused with its reason.
+        if rekindle_runtime::cuda_device_count() == 0 {
+            let e = CollectiveBackend::Nccl.check(0).unwrap_err().to_string();
+            assert!(e.contains("--backend nccl on local rank 0"), "{e}");
+        }
+    }
 }

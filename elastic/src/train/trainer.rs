@@ -198,6 +198,7 @@ impl<S: Strategy> Trainer<S> {
         options: ElasticOptions,
     ) -> Result<Trainer<S>, TrainError> {
         let rank = env.assignment.rank;
+        options.backend.check(env.local_rank)?;
         let sampler = ElasticSampler::new(data).map_err(|e| TrainError::State {
             rank,
             what: "building the sampler",
@@ -492,7 +493,9 @@ impl<S: Strategy> Trainer<S> {
             round: round_id,
             store: store.clone(),
             secret: secret.clone(),
-            tcp: tcp.clone(),
+            tcp,
+            backend: self.options.backend,
+            local_rank: self.env.local_rank,
             op_timeout: self.options.op_timeout,
             bootstrap_timeout: self.options.bootstrap_timeout,
         };
@@ -507,10 +510,11 @@ impl<S: Strategy> Trainer<S> {
             bootstrap_timeout: self.options.bootstrap_timeout,
         };
         let (tx, rx) = std::sync::mpsc::channel();
+        let builder = subgroups.clone();
         std::thread::Builder::new()
             .name("rekindle-bootstrap".into())
             .spawn(move || {
-                let _ = tx.send(ProcessGroup::tcp(config, tcp));
+                let _ = tx.send(builder.group(config));
             })
             .map_err(|e| TrainError::Config {
                 reason: format!("cannot start the bootstrap thread: {e}"),

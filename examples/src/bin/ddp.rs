@@ -19,7 +19,9 @@ use anyhow::{Context, Result};
 use candle_core::Device;
 use candle_nn::VarMap;
 use clap::Parser;
-use rekindle_elastic::train::{self, ElasticOptions, RunEnd, StepOutput, Trainer};
+use rekindle_elastic::train::{
+    self, CollectiveBackend, ElasticOptions, RunEnd, StepOutput, Trainer,
+};
 use rekindle_examples::mlp::{params_sha256, Mlp, MlpConfig, TeacherDataset};
 use rekindle_runtime::optim::{Sgd, SgdConfig};
 use rekindle_runtime::sampler::ElasticConfig;
@@ -66,6 +68,10 @@ struct Args {
     /// Collective deadline in seconds (a peer silent this long counts as lost).
     #[arg(long, default_value_t = 30.0)]
     op_timeout: f64,
+    /// Collective backend: `tcp`, or `nccl` on cuda:LOCAL_RANK (a build with the `nccl`
+    /// feature; the model stays on the CPU and its gradients are staged through the device).
+    #[arg(long, default_value = "tcp")]
+    backend: CollectiveBackend,
 }
 
 fn main() -> Result<()> {
@@ -111,6 +117,7 @@ fn main() -> Result<()> {
         checkpoint_every: args.checkpoint_every,
         loss_csv: args.loss_csv.clone(),
         op_timeout: std::time::Duration::from_secs_f64(args.op_timeout),
+        backend: args.backend,
         ..ElasticOptions::default()
     };
     let mut trainer = Trainer::new(

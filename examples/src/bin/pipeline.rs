@@ -25,7 +25,7 @@ use clap::{Parser, ValueEnum};
 use rekindle_elastic::train::strategy::pipeline::{
     Batch, OptimizerFactory, PipelineConfig, PipelineStrategy, Schedule,
 };
-use rekindle_elastic::train::{self, ElasticOptions, RunEnd, Trainer};
+use rekindle_elastic::train::{self, CollectiveBackend, ElasticOptions, RunEnd, Trainer};
 use rekindle_examples::mlp::{MlpConfig, TeacherDataset};
 use rekindle_examples::pipeline_mlp::{Emulated, MlpPipeline};
 use rekindle_runtime::optim::{AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
@@ -97,6 +97,10 @@ struct Args {
     /// Collective deadline in seconds (a peer silent this long counts as lost).
     #[arg(long, default_value_t = 30.0)]
     op_timeout: f64,
+    /// Collective backend: `tcp`, or `nccl` on cuda:LOCAL_RANK (a build with the `nccl`
+    /// feature; host buffers are staged through the device).
+    #[arg(long, default_value = "tcp")]
+    backend: CollectiveBackend,
     /// Emulate each layer's compute with a wait of this many ms forward (twice that
     /// backward), for measuring schedules on fewer cores than stages.
     #[arg(long)]
@@ -181,6 +185,7 @@ fn main() -> Result<()> {
         checkpoint_every: args.checkpoint_every,
         loss_csv: args.loss_csv.clone(),
         op_timeout: std::time::Duration::from_secs_f64(args.op_timeout),
+        backend: args.backend,
         ..ElasticOptions::default()
     };
     let mut trainer = Trainer::with_strategy(worker, strategy, sampler, options)?;

@@ -396,17 +396,30 @@ impl SubGroup {
 
 /// Builds the sub-groups of one generation: the parent's job, round, secret and options,
 /// under `pg/sub/<name>/` of the generation's store.
+#[derive(Clone)]
 pub(crate) struct SubGroupBuilder {
     pub job: String,
     pub round: u64,
     pub store: Arc<dyn Store>,
     pub secret: JobSecret,
     pub tcp: TcpOptions,
+    pub backend: crate::train::CollectiveBackend,
+    pub local_rank: usize,
     pub op_timeout: Duration,
     pub bootstrap_timeout: Duration,
 }
 
 impl SubGroupBuilder {
+    /// A group of `config` on the job's backend (the parent group and every sub-group).
+    pub(crate) fn group(&self, config: GroupConfig) -> rekindle_runtime::Result<ProcessGroup> {
+        match self.backend {
+            crate::train::CollectiveBackend::Tcp => ProcessGroup::tcp(config, self.tcp.clone()),
+            crate::train::CollectiveBackend::Nccl => {
+                ProcessGroup::nccl(config, self.backend.device(self.local_rank))
+            }
+        }
+    }
+
     fn build(
         &self,
         name: &str,
@@ -428,7 +441,7 @@ impl SubGroupBuilder {
             op_timeout: self.op_timeout,
             bootstrap_timeout: self.bootstrap_timeout,
         };
-        ProcessGroup::tcp(config, self.tcp.clone())
+        self.group(config)
     }
 }
 
