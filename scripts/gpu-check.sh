@@ -24,8 +24,8 @@
 #     stopped at step 20 and resumed to 40 through the map-location ends with the parameters of
 #     a straight run to 40);
 #  7. NCCL 2.30.3 or newer: a 2-rank elastic DDP job on the one GPU over NCCL with a worker
-#     SIGKILLed ends with the fault-free run's fingerprint. Runs once the `ddp` example accepts
-#     `--backend nccl`; until then it is reported NOT RUN.
+#     SIGKILLed ends with the fault-free run's fingerprint (`ddp --backend nccl`: the elastic
+#     loop's groups on NCCL; a bundle whose `ddp` lacks the flag reports it NOT RUN).
 #
 # Exit status: 0 when every step passed; 1 when a step failed (or NCCL was not found); 2 when
 # none failed but a step could not run here (the summary says why).
@@ -179,7 +179,7 @@ run "candle CUDA training, checkpoint to cuda:0" 180 step6
 
 # 7. Elastic DDP on NCCL with a SIGKILLed worker (item: the elastic loop on NCCL).
 if ! "$bin/ddp" --help 2>/dev/null | grep -q -- '--backend'; then
-  record "NOT RUN" "elastic DDP on NCCL, SIGKILL" "the ddp example has no --backend flag yet"
+  record "NOT RUN" "elastic DDP on NCCL, SIGKILL" "this bundle's ddp has no --backend flag"
 elif [ "$multi" != 1 ]; then
   record "NOT RUN" "elastic DDP on NCCL, SIGKILL" "NCCL ${version:-?} is older than 2.30.3"
 else
