@@ -316,7 +316,10 @@ fn divergence_and_layout_mismatch_are_detected() {
 
 #[test]
 fn a_lost_peer_fails_the_step_and_leaves_the_state_alone() {
-    let out = run_ranks("ddp-lost", 2, TcpOptions::default(), |rank, pg| {
+    // Both ranks finish the first step before rank 1 goes: aborting as soon as its own
+    // share arrived could reset the connection under data rank 0 has not read yet.
+    let first_done = Arc::new(std::sync::Barrier::new(2));
+    let out = run_ranks("ddp-lost", 2, TcpOptions::default(), move |rank, pg| {
         let varmap = VarMap::new();
         let net = Net::new(&varmap, 0.0);
         let mut ddp = Ddp::new(&varmap, pg.clone(), small_buckets()).unwrap();
@@ -324,6 +327,7 @@ fn a_lost_peer_fails_the_step_and_leaves_the_state_alone() {
         let (x, y) = batch(&[1, 2, 3]);
         let grads = net.loss(&x, &y).backward().unwrap();
         ddp.step(Some(&grads), 3, opt.as_mut()).unwrap();
+        first_done.wait();
         if rank == 1 {
             // This rank is gone before the second step.
             pg.abort();
