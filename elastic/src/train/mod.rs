@@ -196,6 +196,22 @@ impl CollectiveBackend {
         }
     }
 
+    /// Builds a group of `config` on this backend: TCP with `tcp`, NCCL on the device of
+    /// `local_rank`.
+    pub(crate) fn group(
+        &self,
+        config: rekindle_runtime::GroupConfig,
+        tcp: &TcpOptions,
+        local_rank: usize,
+    ) -> rekindle_runtime::Result<rekindle_runtime::ProcessGroup> {
+        match self {
+            CollectiveBackend::Tcp => rekindle_runtime::ProcessGroup::tcp(config, tcp.clone()),
+            CollectiveBackend::Nccl => {
+                rekindle_runtime::ProcessGroup::nccl(config, self.device(local_rank))
+            }
+        }
+    }
+
     /// Checks, before any group is built, that local rank `local_rank` can use the backend:
     /// for NCCL, that this build has it, that `cuda:LOCAL_RANK` is there and that the NCCL
     /// library loads. A failure is a [`TrainError::Config`] (the loop would otherwise fail to

@@ -493,7 +493,7 @@ impl<S: Strategy> Trainer<S> {
             round: round_id,
             store: store.clone(),
             secret: secret.clone(),
-            tcp,
+            tcp: tcp.clone(),
             backend: self.options.backend,
             local_rank: self.env.local_rank,
             op_timeout: self.options.op_timeout,
@@ -510,11 +510,11 @@ impl<S: Strategy> Trainer<S> {
             bootstrap_timeout: self.options.bootstrap_timeout,
         };
         let (tx, rx) = std::sync::mpsc::channel();
-        let builder = subgroups.clone();
+        let (backend, local_rank) = (self.options.backend, self.env.local_rank);
         std::thread::Builder::new()
             .name("rekindle-bootstrap".into())
             .spawn(move || {
-                let _ = tx.send(builder.group(config));
+                let _ = tx.send(backend.group(config, &tcp, local_rank));
             })
             .map_err(|e| TrainError::Config {
                 reason: format!("cannot start the bootstrap thread: {e}"),

@@ -396,7 +396,6 @@ impl SubGroup {
 
 /// Builds the sub-groups of one generation: the parent's job, round, secret and options,
 /// under `pg/sub/<name>/` of the generation's store.
-#[derive(Clone)]
 pub(crate) struct SubGroupBuilder {
     pub job: String,
     pub round: u64,
@@ -410,16 +409,6 @@ pub(crate) struct SubGroupBuilder {
 }
 
 impl SubGroupBuilder {
-    /// A group of `config` on the job's backend (the parent group and every sub-group).
-    pub(crate) fn group(&self, config: GroupConfig) -> rekindle_runtime::Result<ProcessGroup> {
-        match self.backend {
-            crate::train::CollectiveBackend::Tcp => ProcessGroup::tcp(config, self.tcp.clone()),
-            crate::train::CollectiveBackend::Nccl => {
-                ProcessGroup::nccl(config, self.backend.device(self.local_rank))
-            }
-        }
-    }
-
     fn build(
         &self,
         name: &str,
@@ -441,7 +430,7 @@ impl SubGroupBuilder {
             op_timeout: self.op_timeout,
             bootstrap_timeout: self.bootstrap_timeout,
         };
-        self.group(config)
+        self.backend.group(config, &self.tcp, self.local_rank)
     }
 }
 
