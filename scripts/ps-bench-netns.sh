@@ -3,8 +3,9 @@
 # namespace with a private /dev/shm, joined to the others through a bridge by a veth pair
 # rate-limited with `tc tbf` in both directions. For 1..MAX_WORKERS workers it runs
 # `ps_bench rank` for the ring (DDP) and for the synchronous parameter server with 1 and 2
-# servers, ROUNDS times each (alternating), appends every run's communication time per step
-# to $OUT/ps-bench.csv, then writes the table (stdout) and $OUT/ps-bench.svg.
+# servers (2 with and without the in-memory shard copies), ROUNDS times each (alternating),
+# appends every run's communication time per step to $OUT/ps-bench.csv, then writes the
+# table (stdout) and $OUT/ps-bench.svg.
 #
 #   sudo scripts/ps-bench-netns.sh                  # 1 Gbit/s, 16 MiB of parameters
 #   RATE_MBIT=200 PARAMS=1048576 ROUNDS=1 MAX_WORKERS=2 sudo -E scripts/ps-bench-netns.sh
@@ -118,6 +119,7 @@ for round in $(seq 1 "$ROUNDS"); do
     run "$w" --arch ring
     run $((w + 1)) --arch ps --servers 1
     run $((w + 2)) --arch ps --servers 2
+    run $((w + 2)) --arch ps --servers 2 --shard-copies off
   done
 done
 

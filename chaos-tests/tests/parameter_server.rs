@@ -306,31 +306,45 @@ fn a_killed_server_comes_back_from_the_copy_on_the_next_server() {
     assert!(!out.contains("resumed from step"), "no checkpoint:\n{out}");
 }
 
-#[test]
-fn a_killed_server_without_a_copy_comes_back_from_the_checkpoint() {
-    let expected = reference(3, 1);
+/// Runs `nproc` ranks of synchronous training with `servers` servers, checkpoints every 50
+/// steps and `extra` flags, SIGKILLs server `victim` after step 120 and checks that the job
+/// still ends with the fault-free fingerprint. Returns the job's output and the checkpoints.
+fn kill_a_server_between_checkpoints(
+    nproc: usize,
+    servers: usize,
+    extra: &[&str],
+    victim: usize,
+) -> (String, tempfile::TempDir) {
+    let expected = reference(nproc, servers);
     let logs = tempfile::tempdir().unwrap();
     let ck = tempfile::tempdir().unwrap();
-    let mut extra = ps_args(1, "sync");
-    extra.extend(strings(&[
+    let mut args = ps_args(servers, "sync");
+    args.extend(strings(extra));
+    args.extend(strings(&[
         "--checkpoint-dir",
         ck.path().to_str().unwrap(),
         "--checkpoint-every",
         "50",
     ]));
     let mut job = standalone(
-        3,
+        nproc,
         &["--max-restarts", "3"],
         "parameter_server",
         STEPS,
-        &extra,
+        &args,
         logs.path(),
     );
     job.wait_line(T, step_line(120))
         .unwrap_or_else(|_| panic!("no progress:\n{}", job.output()));
-    kill(rank_pid(&job, 0).expect("server 0's pid"), libc::SIGKILL);
-    assert_eq!(finish(&mut job), (STEPS, expected.clone()));
-    let out = job.output();
+    let pid = rank_pid(&job, victim).unwrap_or_else(|| panic!("server {victim}'s pid"));
+    kill(pid, libc::SIGKILL);
+    assert_eq!(finish(&mut job), (STEPS, expected));
+    (job.output(), ck)
+}
+
+#[test]
+fn a_killed_server_without_a_copy_comes_back_from_the_checkpoint() {
+    let (out, ck) = kill_a_server_between_checkpoints(3, 1, &[], 0);
     // The replacement server reads shard 0 from the checkpoint, when it starts (it resumes)
     // or when the group re-forms.
     assert!(
@@ -341,7 +355,28 @@ fn a_killed_server_without_a_copy_comes_back_from_the_checkpoint() {
     // parameters the run printed.
     let (step, p) = params(ck.path());
     assert_eq!(step, STEPS);
-    assert_eq!(fingerprint(&p), expected);
+    assert_eq!(fingerprint(&p), reference(3, 1));
+}
+
+#[test]
+fn two_servers_without_copies_go_back_to_the_checkpoint_when_one_is_killed() {
+    // The copies change no value, only where a lost shard comes from.
+    let (out, _ck) = kill_a_server_between_checkpoints(4, 2, &["--shard-copies", "off"], 1);
+    // No server keeps a copy of shard 1, so the re-formed group starts at a checkpoint's
+    // step (shard 1 from the checkpoint, or from its new server, which resumed from it).
+    assert!(!out.contains("from copy on rank"), "no copies:\n{out}");
+    let reformed = out
+        .lines()
+        .rfind(|l| l.contains("rekindle: parameter server (sync)"))
+        .unwrap_or_else(|| panic!("no report of the shards:\n{out}"));
+    let step: u64 = reformed
+        .split_whitespace()
+        .skip_while(|w| *w != "step")
+        .nth(1)
+        .and_then(|w| w.trim_end_matches(';').parse().ok())
+        .unwrap_or_else(|| panic!("no step in {reformed:?}"));
+    assert!(step >= 100 && step % 50 == 0, "{reformed}\n{out}");
+    assert!(out.contains("generation 1:"), "the group re-formed:\n{out}");
 }
 
 #[test]

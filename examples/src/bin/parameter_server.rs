@@ -38,6 +38,12 @@ enum Mode {
     Async,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Switch {
+    On,
+    Off,
+}
+
 #[derive(Debug, Parser)]
 #[command(
     about = "Parameter-server training of an MLP on a generated dataset",
@@ -74,6 +80,11 @@ struct Args {
     /// Tensors with fewer elements are never split over servers.
     #[arg(long, default_value_t = 1 << 16)]
     min_split: usize,
+    /// With two servers or more, each keeps an in-memory copy of its predecessor's shard, so
+    /// that a lost server loses no step (`on`); `off` saves that traffic, and a lost server's
+    /// shard then comes from the newest checkpoint (the job goes back to its step).
+    #[arg(long, value_enum, default_value = "on")]
+    shard_copies: Switch,
     /// Checkpoint directory (resumes from its newest valid checkpoint).
     #[arg(long)]
     checkpoint_dir: Option<PathBuf>,
@@ -156,6 +167,7 @@ fn main() -> Result<()> {
     });
     let mut ps_config = PsConfig::new(args.servers, mode);
     ps_config.min_split = args.min_split;
+    ps_config.copies = args.shard_copies == Switch::On;
     let strategy = ParameterServer::new(varmap.clone(), factory, ps_config)?;
     let sampler = ElasticConfig::new(args.dataset, args.batch).seed(args.seed);
     let options = ElasticOptions {

@@ -16,7 +16,12 @@
 //!     (reduce-scatter then all-gather, both directions of every link at once)
 //! ```
 //!
-//! `ps_bench plot CSV SVG`: the table (measured, model, ratio) in markdown on
+//! That is the parameter server without its in-memory shard copies (`--shard-copies off`,
+//! architecture `ps<K>-nocopies`). With the copies on and two servers or more, each server
+//! also forwards its shard's summed gradient to the server keeping the copy:
+//! `2 x max((W + 1) / K, 1) x 4P bytes / rate`, the table's second model.
+//!
+//! `ps_bench plot CSV SVG`: the table (measured, both models, ratios) in markdown on
 //! stdout and the plot (measured points, model lines) as SVG.
 //!
 //! `ps_bench straggler`: one run of one benchmark for the straggler claim. For each mode
@@ -51,6 +56,12 @@ enum Arch {
     Ring,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Switch {
+    On,
+    Off,
+}
+
 #[derive(Debug, Parser)]
 #[command(about = "Parameter-server benchmarks", args_override_self = true)]
 struct Args {
@@ -68,6 +79,10 @@ enum Cmd {
         /// Servers (the first ranks), for `--arch ps`.
         #[arg(long, default_value_t = 1)]
         servers: usize,
+        /// `--arch ps` with two servers or more: `off` keeps no in-memory copies of the
+        /// shards (no copy traffic; the row's architecture is `ps<K>-nocopies`).
+        #[arg(long, value_enum, default_value = "on")]
+        shard_copies: Switch,
         /// Parameters (f32) of the model.
         #[arg(long, default_value_t = 1 << 21)]
         params: usize,
@@ -122,20 +137,22 @@ fn main() -> Result<()> {
         Cmd::Rank {
             arch,
             servers,
+            shard_copies,
             params,
             steps,
             warmup,
             csv,
             rate_mbit,
-        } => rank(
+        } => rank(&RankArgs {
             arch,
             servers,
+            copies: shard_copies == Switch::On,
             params,
             steps,
             warmup,
-            csv.as_deref(),
+            csv,
             rate_mbit,
-        ),
+        }),
         Cmd::Plot { csv, svg } => plot(&csv, &svg),
         Cmd::Straggler {
             workers,
@@ -170,15 +187,20 @@ fn median(v: &mut [f64]) -> f64 {
     }
 }
 
-fn rank(
+struct RankArgs {
     arch: Arch,
     servers: usize,
+    copies: bool,
     params: usize,
     steps: u64,
     warmup: u64,
-    csv: Option<&Path>,
+    csv: Option<PathBuf>,
     rate_mbit: f64,
-) -> Result<()> {
+}
+
+fn rank(a: &RankArgs) -> Result<()> {
+    let (arch, servers, copies, params) = (a.arch, a.servers, a.copies, a.params);
+    let (steps, warmup, csv, rate_mbit) = (a.steps, a.warmup, a.csv.as_deref(), a.rate_mbit);
     std::env::set_var("RAYON_NUM_THREADS", "1");
     let worker = train::init()?;
     let rank = worker.assignment.rank;
@@ -238,11 +260,9 @@ fn rank(
     };
     match arch {
         Arch::Ps => {
-            let strategy = ParameterServer::new(
-                varmap.clone(),
-                Box::new(sgd),
-                PsConfig::new(servers, PsMode::Sync),
-            )?;
+            let mut config = PsConfig::new(servers, PsMode::Sync);
+            config.copies = copies;
+            let strategy = ParameterServer::new(varmap.clone(), Box::new(sgd), config)?;
             let mut t = Trainer::with_strategy(worker, strategy, data, options)?;
             t.run(total + 1, &mut step_fn)?;
         }
@@ -270,7 +290,8 @@ fn rank(
         median(&mut compute_ms),
     );
     let label = match arch {
-        Arch::Ps => format!("ps{servers}"),
+        Arch::Ps if copies || servers < 2 => format!("ps{servers}"),
+        Arch::Ps => format!("ps{servers}-nocopies"),
         Arch::Ring => "ring".to_string(),
     };
     println!(
@@ -309,6 +330,25 @@ fn model_ms(arch: &str, servers: usize, workers: usize, params: usize, rate_mbit
         2.0 * (w / servers as f64).max(1.0) * bytes
     };
     moved / rate * 1e3
+}
+
+/// The model with the traffic of the servers' in-memory copies: with two servers or more and
+/// the copies on, each server also forwards its shard's summed gradient to the server that
+/// keeps the copy, so a server link carries `(W + 1) x 4P / K` each way.
+fn model_with_copies_ms(
+    arch: &str,
+    servers: usize,
+    workers: usize,
+    params: usize,
+    rate_mbit: f64,
+) -> f64 {
+    if arch == "ring" || arch.ends_with("-nocopies") || servers < 2 {
+        return model_ms(arch, servers, workers, params, rate_mbit);
+    }
+    let bytes = 4.0 * params as f64;
+    let rate = rate_mbit * 1e6 / 8.0;
+    let w = workers as f64;
+    2.0 * ((w + 1.0) / servers as f64).max(1.0) * bytes / rate * 1e3
 }
 
 /// One CSV row of `rank` runs.
@@ -358,24 +398,34 @@ fn plot(csv: &Path, svg_path: &Path) -> Result<()> {
     }
     let (params, rate) = (rows[0].params, rows[0].rate_mbit);
     println!(
-        "| architecture | workers | measured ms/step | model ms/step | measured / model |\n\
-         |---|---|---|---|---|"
+        "| architecture | workers | measured ms/step | model ms/step | measured / model | \
+         model with copy traffic | measured / that |\n\
+         |---|---:|---:|---:|---:|---:|---:|"
     );
     let mut series: BTreeMap<String, Vec<(usize, f64, f64)>> = BTreeMap::new();
     for ((arch, servers, workers), v) in &mut runs {
         let m = median(v);
         let model = model_ms(arch, *servers, *workers, params, rate);
-        let ratio = if model > 0.0 {
-            format!("{:.2}", m / model)
-        } else {
-            "-".into()
+        let with_copies = model_with_copies_ms(arch, *servers, *workers, params, rate);
+        let ratio = |model: f64| {
+            if model > 0.0 {
+                format!("{:.2}", m / model)
+            } else {
+                "-".into()
+            }
         };
         let name = if arch == "ring" {
             "ring all-reduce".to_string()
+        } else if arch.ends_with("-nocopies") {
+            format!("parameter server, {servers} server(s), no copies")
         } else {
             format!("parameter server, {servers} server(s)")
         };
-        println!("| {name} | {workers} | {m:.1} | {model:.1} | {ratio} |");
+        println!(
+            "| {name} | {workers} | {m:.1} | {model:.1} | {} | {with_copies:.1} | {} |",
+            ratio(model),
+            ratio(with_copies)
+        );
         series.entry(name).or_default().push((*workers, m, model));
     }
     let (w, h, left, right, top, bottom) = (720.0, 420.0, 70.0, 200.0, 20.0, 45.0);

@@ -112,8 +112,9 @@ impl AsyncServer {
                 }
             })?;
         }
-        if let (Some(link), Some(pred)) = (links.copy_in.clone(), super::links::copy_of(k, servers))
-        {
+        // A copy link exists only with the copies on.
+        let pred = super::links::copy_of(k, servers, true);
+        if let (Some(link), Some(pred)) = (links.copy_in.clone(), pred) {
             let events = events_tx.clone();
             let len = HEADER_LEN + map.shard_len(pred);
             spawn(format!("ps-{k}-copy-in"), move || loop {

@@ -29,14 +29,15 @@ impl Role {
     }
 }
 
-/// The server that keeps server `k`'s copy (none with a single server).
-pub fn copy_holder(k: usize, servers: usize) -> Option<usize> {
-    (servers > 1).then(|| (k + 1) % servers)
+/// The server that keeps server `k`'s copy (none with a single server, or with `copies`
+/// off).
+pub fn copy_holder(k: usize, servers: usize, copies: bool) -> Option<usize> {
+    (copies && servers > 1).then(|| (k + 1) % servers)
 }
 
-/// The server whose copy server `k` keeps.
-pub fn copy_of(k: usize, servers: usize) -> Option<usize> {
-    (servers > 1).then(|| (k + servers - 1) % servers)
+/// The server whose copy server `k` keeps (none with a single server, or with `copies` off).
+pub fn copy_of(k: usize, servers: usize, copies: bool) -> Option<usize> {
+    (copies && servers > 1).then(|| (k + servers - 1) % servers)
 }
 
 /// This rank's sub-groups.
@@ -60,8 +61,9 @@ pub fn peer(link: &SubGroup) -> usize {
 }
 
 impl Links {
-    /// Builds this rank's sub-groups of `group` (every rank calls it at the same point).
-    pub fn build(group: &mut Group<'_>, servers: usize) -> Result<Links, StepError> {
+    /// Builds this rank's sub-groups of `group` (every rank calls it at the same point); the
+    /// copy links only with `copies` on.
+    pub fn build(group: &mut Group<'_>, servers: usize, copies: bool) -> Result<Links, StepError> {
         let me = group.rank();
         let world = group.world_size();
         let mut links = Links::default();
@@ -75,7 +77,7 @@ impl Links {
             }
         }
         for k in 0..servers {
-            let Some(h) = copy_holder(k, servers) else {
+            let Some(h) = copy_holder(k, servers, copies) else {
                 break;
             };
             if me == k || me == h {
@@ -120,16 +122,23 @@ mod tests {
         assert_eq!(Role::of(1, 2), Role::Server(1));
         assert_eq!(Role::of(2, 2), Role::Worker(0));
         assert_eq!(Role::of(5, 2), Role::Worker(3));
-        assert_eq!(copy_holder(0, 1), None);
-        assert_eq!(copy_of(0, 1), None);
+        assert_eq!(copy_holder(0, 1, true), None);
+        assert_eq!(copy_of(0, 1, true), None);
         assert_eq!(
-            (0..3).map(|k| copy_holder(k, 3)).collect::<Vec<_>>(),
+            (0..3).map(|k| copy_holder(k, 3, true)).collect::<Vec<_>>(),
             [Some(1), Some(2), Some(0)]
         );
         assert_eq!(
-            (0..3).map(|k| copy_of(k, 3)).collect::<Vec<_>>(),
+            (0..3).map(|k| copy_of(k, 3, true)).collect::<Vec<_>>(),
             [Some(2), Some(0), Some(1)]
         );
-        assert_eq!((copy_holder(0, 2), copy_holder(1, 2)), (Some(1), Some(0)));
+        assert_eq!(
+            (copy_holder(0, 2, true), copy_holder(1, 2, true)),
+            (Some(1), Some(0))
+        );
+        assert_eq!(
+            (copy_holder(0, 2, false), copy_of(1, 2, false)),
+            (None, None)
+        );
     }
 }

@@ -5,7 +5,8 @@
 //! Server `k` holds its shard's values and an optimizer over them (built by the program's
 //! [`OptimizerFactory`]), and, with two servers or more, an in-memory copy of its
 //! predecessor's shard (server `k - 1`'s, cyclically), updated with the same gradients in the
-//! same order, so that losing one server loses no step. Workers hold the whole model (the
+//! same order, so that losing one server loses no step ([`PsConfig::copies`]; without the
+//! copies a lost shard comes from the newest checkpoint). Workers hold the whole model (the
 //! program's `VarMap`) as last pulled.
 //!
 //! **Synchronous mode** ([`PsMode::Sync`]): a step's global batch is split among the live
@@ -106,15 +107,23 @@ pub struct PsConfig {
     pub mode: PsMode,
     /// Tensors with fewer elements are never split over servers. Default 65536.
     pub min_split: usize,
+    /// With two servers or more, each server keeps an in-memory copy of its predecessor's
+    /// shard, so that losing one server loses no step (default). Off, no server keeps a
+    /// copy: each server link carries `4P / K` bytes less each way per step (the copy
+    /// traffic), and a lost server's shard comes from the newest checkpoint (synchronous:
+    /// every shard does, and the job goes back to that checkpoint's step; asynchronous: the
+    /// tickets the checkpoint's shard lacks are dealt again).
+    pub copies: bool,
 }
 
 impl PsConfig {
-    /// `servers` servers in `mode`.
+    /// `servers` servers in `mode`, with the in-memory copies on.
     pub fn new(servers: usize, mode: PsMode) -> PsConfig {
         PsConfig {
             servers,
             mode,
             min_split: 1 << 16,
+            copies: true,
         }
     }
 }
@@ -606,7 +615,8 @@ impl Strategy for ParameterServer {
                 .unwrap_or_default();
             self.values_to_vars(k, &values)?;
             let servers = self.config.servers;
-            let mine = rank < servers && (rank == k || copy_of(rank, servers) == Some(k));
+            let mine = rank < servers
+                && (rank == k || copy_of(rank, servers, self.config.copies) == Some(k));
             if !mine {
                 continue;
             }
@@ -676,12 +686,16 @@ impl Strategy for ParameterServer {
             Ok(p) => p,
             Err(PlanError::Lost { shards }) => {
                 let Some(c) = group.newest_checkpoint()? else {
+                    let why = if self.config.copies && servers > 1 {
+                        "a server and the copy on the next server are both gone"
+                    } else {
+                        "their server is gone and no server keeps a copy"
+                    };
                     return Err(StepError::state(
                         "re-forming the parameter server",
                         format!(
-                            "shard(s) {shards:?} are lost: no rank holds them (a server and \
-                             the copy on the next server are both gone) and there is no \
-                             checkpoint"
+                            "shard(s) {shards:?} are lost: no rank holds them ({why}) and \
+                             there is no checkpoint"
                         ),
                     ));
                 };
@@ -724,7 +738,7 @@ impl Strategy for ParameterServer {
                     primary =
                         Some(self.build_shard(k, false, &state, plan.step, &plan.applied[k])?);
                 }
-                Role::Server(s) if copy_of(s, servers) == Some(k) => {
+                Role::Server(s) if copy_of(s, servers, self.config.copies) == Some(k) => {
                     copy = Some(self.build_shard(k, true, &state, plan.step, &plan.applied[k])?);
                 }
                 Role::Server(_) => {}
@@ -741,7 +755,7 @@ impl Strategy for ParameterServer {
         self.primary = primary;
         self.copy = copy;
         self.report(group, &plan);
-        let links = Links::build(group, servers)?;
+        let links = Links::build(group, servers, self.config.copies)?;
         let workers = world - servers;
         let max_steps = group.max_steps();
         let mut g = InGroup {
