@@ -1,5 +1,6 @@
 //! Rank 0's progress bar and loss curve.
 
+use std::collections::VecDeque;
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -17,6 +18,42 @@ pub(crate) struct StepLine {
     pub loss: Option<f64>,
     pub samples_per_s: f64,
     pub world_size: usize,
+}
+
+/// Samples per second over the steps of the last [`RATE_WINDOW`]: a step's own rate is noise
+/// where steps are uneven (a parameter server's step may apply pushes that were already
+/// waiting, and take microseconds), so the figure covers every step that began in the window.
+#[derive(Debug, Default)]
+pub(crate) struct StepRate {
+    /// Start and samples of each step in the window, oldest first.
+    steps: VecDeque<(Instant, u64)>,
+    samples: u64,
+}
+
+/// The span [`StepRate`] averages over.
+const RATE_WINDOW: Duration = Duration::from_secs(2);
+
+impl StepRate {
+    /// Records a step that began at `started`, ended at `now` and trained on `samples`
+    /// samples (over all ranks); returns the samples per second of the window.
+    pub fn record(&mut self, started: Instant, now: Instant, samples: u64) -> f64 {
+        self.steps.push_back((started, samples));
+        self.samples += samples;
+        // Keep the newest step whatever its length; drop the ones that began before the window.
+        while self.steps.len() > 1
+            && self
+                .steps
+                .front()
+                .is_some_and(|(t, _)| now.saturating_duration_since(*t) > RATE_WINDOW)
+        {
+            if let Some((_, n)) = self.steps.pop_front() {
+                self.samples -= n;
+            }
+        }
+        let since = self.steps.front().map_or(started, |(t, _)| *t);
+        let secs = now.saturating_duration_since(since).as_secs_f64().max(1e-9);
+        self.samples as f64 / secs
+    }
 }
 
 pub(crate) struct Progress {
@@ -192,5 +229,50 @@ impl Progress {
                 );
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    #[test]
+    fn uneven_steps_average_over_the_window() {
+        let t0 = Instant::now();
+        let mut r = StepRate::default();
+        // 100 samples in 100 ms, then a step of 100 samples that takes 1 us: the window holds
+        // 200 samples over 100.001 ms, not the second step's 10^8 samples/s.
+        assert!((r.record(t0, t0 + ms(100), 100) - 1000.0).abs() < 1e-9);
+        let second = t0 + ms(100);
+        let rate = r.record(second, second + Duration::from_micros(1), 100);
+        assert!((rate - 200.0 / 0.100001).abs() < 1e-6, "{rate}");
+    }
+
+    #[test]
+    fn steps_older_than_the_window_leave_it() {
+        let t0 = Instant::now();
+        let mut r = StepRate::default();
+        // A slow first step (1 s per 10 samples), then steps of 100 samples per 100 ms until
+        // the first one began more than 2 s before the newest end: only the fast steps remain.
+        r.record(t0, t0 + ms(1000), 10);
+        let mut rate = 0.0;
+        for i in 0..20 {
+            let start = t0 + ms(1000 + 100 * i);
+            rate = r.record(start, start + ms(100), 100);
+        }
+        assert_eq!(r.steps.len(), 20);
+        assert!((rate - 1000.0).abs() < 1e-9, "{rate}");
+    }
+
+    #[test]
+    fn a_single_long_step_is_kept() {
+        let t0 = Instant::now();
+        let mut r = StepRate::default();
+        assert_eq!(r.record(t0, t0 + ms(5000), 500), 100.0);
+        assert_eq!(r.record(t0 + ms(5000), t0 + ms(10_000), 1000), 200.0);
     }
 }

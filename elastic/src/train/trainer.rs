@@ -25,7 +25,7 @@ use super::env::{Assignment, WorkerEnv};
 use super::form::{current_generation, evict_key, join_generation, Member};
 use super::liveness::{EvictionNotice, LivenessWriter};
 use super::metrics::MetricsWriter;
-use super::progress::{Progress, StepLine};
+use super::progress::{Progress, StepLine, StepRate};
 use super::strategy::{
     BoxError, CheckpointPlan, DdpStrategy, Group, StateSource, StepError, Strategy, SubGroupBuilder,
 };
@@ -103,6 +103,7 @@ pub struct Trainer<S: Strategy = DdpStrategy> {
     groups_formed: u64,
     steps_discarded: u64,
     progress: Option<Progress>,
+    rate: StepRate,
     audit: Option<SampleAudit>,
     metrics: MetricsWriter,
     liveness: LivenessWriter,
@@ -221,6 +222,7 @@ impl<S: Strategy> Trainer<S> {
             groups_formed: 0,
             steps_discarded: 0,
             progress: None,
+            rate: StepRate::default(),
             audit: SampleAudit::from_env()?,
             metrics: MetricsWriter::from_env(),
             liveness,
@@ -876,12 +878,14 @@ impl<S: Strategy> Trainer<S> {
                 Err(e) => return self.fault(store, members, e),
             };
             if rank == 0 {
-                let secs = started.elapsed().as_secs_f64().max(1e-9);
+                let samples_per_s = self
+                    .rate
+                    .record(started, Instant::now(), done.global_samples);
                 let line = StepLine {
                     step: self.step,
                     epoch: planned.epoch(),
                     loss,
-                    samples_per_s: done.global_samples as f64 / secs,
+                    samples_per_s,
                     world_size,
                 };
                 if let Some(p) = &mut self.progress {
