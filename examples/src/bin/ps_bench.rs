@@ -299,18 +299,10 @@ fn rank(a: &RankArgs) -> Result<()> {
          step_ms={step:.2} compute_ms={comp:.2} rate_mbit={rate_mbit}"
     );
     if let Some(path) = csv {
-        let fresh = !path.exists();
-        let mut f = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-            .with_context(|| format!("opening {}", path.display()))?;
-        if fresh {
-            writeln!(
-                f,
-                "arch,servers,workers,params,rate_mbit,comm_ms,step_ms,compute_ms"
-            )?;
-        }
+        let mut f = rekindle_examples::append_csv(
+            path,
+            "arch,servers,workers,params,rate_mbit,comm_ms,step_ms,compute_ms",
+        )?;
         writeln!(
             f,
             "{label},{servers},{workers},{params},{rate_mbit},{comm:.3},{step:.3},{comp:.3}"
