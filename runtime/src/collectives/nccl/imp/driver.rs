@@ -19,9 +19,6 @@ type CtxSetCurrent = unsafe extern "C" fn(CuContext) -> CuResult;
 type StreamCreate = unsafe extern "C" fn(*mut CuStream, c_uint) -> CuResult;
 type StreamFn = unsafe extern "C" fn(CuStream) -> CuResult;
 type StreamWaitEvent = unsafe extern "C" fn(CuStream, CuEvent, c_uint) -> CuResult;
-type EventCreate = unsafe extern "C" fn(*mut CuEvent, c_uint) -> CuResult;
-type EventRecord = unsafe extern "C" fn(CuEvent, CuStream) -> CuResult;
-type EventFn = unsafe extern "C" fn(CuEvent) -> CuResult;
 type MemAllocAsync = unsafe extern "C" fn(*mut CuDevicePtr, usize, CuStream) -> CuResult;
 type MemFreeAsync = unsafe extern "C" fn(CuDevicePtr, CuStream) -> CuResult;
 type MemHostAlloc = unsafe extern "C" fn(*mut *mut c_void, usize, c_uint) -> CuResult;
@@ -31,8 +28,9 @@ type MemcpyHtoDAsync =
 type MemcpyDtoHAsync = unsafe extern "C" fn(*mut c_void, CuDevicePtr, usize, CuStream) -> CuResult;
 type GetErrorName = unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult;
 
-/// The driver functions the backend calls (the event functions serve the tensor ops of the
-/// `cuda` feature, and the checks that run on a GPU).
+/// The driver functions the backend calls. The tensor ops of the `cuda` feature record their
+/// events through candle (on candle's stream) and make the backend's stream wait on them with
+/// `stream_wait_event`; the rest serve every build.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) struct Driver {
     _lib: libloading::Library,
@@ -46,10 +44,6 @@ pub(crate) struct Driver {
     pub stream_destroy: StreamFn,
     pub stream_query: StreamFn,
     pub stream_wait_event: StreamWaitEvent,
-    pub event_create: EventCreate,
-    pub event_record: EventRecord,
-    pub event_query: EventFn,
-    pub event_destroy: EventFn,
     pub mem_alloc_async: MemAllocAsync,
     pub mem_free_async: MemFreeAsync,
     pub mem_host_alloc: MemHostAlloc,
@@ -130,10 +124,6 @@ fn bind(lib: libloading::Library, path: &str) -> Result<Driver, String> {
         stream_destroy: sym(&lib, path, "cuStreamDestroy_v2")?,
         stream_query: sym(&lib, path, "cuStreamQuery")?,
         stream_wait_event: sym(&lib, path, "cuStreamWaitEvent")?,
-        event_create: sym(&lib, path, "cuEventCreate")?,
-        event_record: sym(&lib, path, "cuEventRecord")?,
-        event_query: sym(&lib, path, "cuEventQuery")?,
-        event_destroy: sym(&lib, path, "cuEventDestroy_v2")?,
         mem_alloc_async: sym(&lib, path, "cuMemAllocAsync")?,
         mem_free_async: sym(&lib, path, "cuMemFreeAsync")?,
         mem_host_alloc: sym(&lib, path, "cuMemHostAlloc")?,
