@@ -43,12 +43,17 @@ for round in $(seq "$rounds"); do
     done
   done
 done
+# Reads "binary op ranks size value" lines and prints, per binary and case, the median of
+# the values and, with BEST=1, the largest, to DIGITS decimals.
+summarise() {
+  sort -k1,4 -k5n | awk -v digits="$1" -v best="$2" '
+    function flush() { if (n) { m = (n % 2) ? v[(n + 1) / 2] : (v[n / 2] + v[n / 2 + 1]) / 2;
+      printf "%s %." digits "f", key, m; if (best) printf " %." digits "f", v[n]; print "" } n = 0 }
+    { k = $1 " " $2 " " $3 " " $4; if (k != key) { flush(); key = k } v[++n] = $5 }
+    END { flush() }'
+}
 echo "# binary op ranks size median best (busbw GB/s over $rounds runs)"
-sort -k1,4 -k5n "$runs" | awk '
-  function flush() { if (n) { m = (n % 2) ? v[(n + 1) / 2] : (v[n / 2] + v[n / 2 + 1]) / 2;
-    printf "%s %.2f %.2f\n", key, m, v[n] } n = 0 }
-  { k = $1 " " $2 " " $3 " " $4; if (k != key) { flush(); key = k } v[++n] = $5 }
-  END { flush() }'
+summarise 2 1 <"$runs"
 
 # The paired ratio: each binary's busbw over the first binary's in the same round and case
 # (the two ran back to back), and the median of those ratios over the rounds. A drift of the
@@ -62,8 +67,4 @@ awk -v first="$first" '
   END {
     for (i in other) { split(other[i], f, " "); b = base[f[2] " " f[3] " " f[4] " " f[6]]
       if (b > 0) print f[1], f[2], f[3], f[4], f[5] / b }
-  }' "$runs" | sort -k1,4 -k5n | awk '
-  function flush() { if (n) { m = (n % 2) ? v[(n + 1) / 2] : (v[n / 2] + v[n / 2 + 1]) / 2;
-    printf "%s %.3f\n", key, m } n = 0 }
-  { k = $1 " " $2 " " $3 " " $4; if (k != key) { flush(); key = k } v[++n] = $5 }
-  END { flush() }'
+  }' "$runs" | summarise 3 0

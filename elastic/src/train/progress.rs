@@ -40,15 +40,15 @@ impl StepRate {
         self.steps.push_back((started, samples));
         self.samples += samples;
         // Keep the newest step whatever its length; drop the ones that began before the window.
-        while self.steps.len() > 1
-            && self
-                .steps
-                .front()
-                .is_some_and(|(t, _)| now.saturating_duration_since(*t) > RATE_WINDOW)
-        {
-            if let Some((_, n)) = self.steps.pop_front() {
-                self.samples -= n;
+        while self.steps.len() > 1 {
+            let Some(&(t, n)) = self.steps.front() else {
+                break;
+            };
+            if now.saturating_duration_since(t) <= RATE_WINDOW {
+                break;
             }
+            self.steps.pop_front();
+            self.samples -= n;
         }
         let since = self.steps.front().map_or(started, |(t, _)| *t);
         let secs = now.saturating_duration_since(since).as_secs_f64().max(1e-9);
